@@ -1,0 +1,372 @@
+"""The persistent engine: weights, KV cache, traffic and forward passes, loaded once.
+
+`Engine` methods are named like the MCP tools (`read_engine_source`, `submit_forward_pass`,
+`measure_fast`, `measure_full`, `check_bit_exact`) plus `rollback`, `leaderboard`,
+`candidate_source`, `traffic_profile` and `info`; every one returns a pydantic result.
+Candidates are installed in place: never a process restart, never a weight reload. The
+reference forward pass of the model's family is itself installed as candidate `reference`.
+
+Usable in-process:
+
+    eng = Engine(EngineConfig(model="llama-3.2-1b", shrink=True))
+    r = eng.submit_forward_pass(source)
+    eng.check_bit_exact(r.candidate_id); eng.measure_fast(r.candidate_id)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_server import candidate as cands
+from engine_server import exact, measure, traffic
+from engine_server.config import ModelConfig, parse_dtype, resolve_model, shrink
+from engine_server.graphs import StaticInputs, StepGraphs
+from engine_server.guards import ProcessGuard, WeightGuard
+from engine_server.log import get_logger
+from engine_server.models import family, source_file
+from engine_server.results import ErrorInfo, ExactResult, InstallResult, MeasureResult, hardware
+from engine_server.state import State, new_cache
+from engine_server.weights import init_weights, load_weights
+
+log = get_logger("engine")
+
+REFERENCE = "reference"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOT_DIR = PACKAGE_ROOT / "source_snapshots"
+
+
+@dataclass
+class EngineConfig:
+    """Every field is a CLI flag of `tkcc engine ...` (underscores become dashes).
+    Zero means "pick for the device" (CPU values keep a tiny model's calls to seconds)."""
+    model: str = "llama-3.2-1b"
+    shrink: bool = False
+    device: str = "cpu"
+    dtype: str = ""  # default: bfloat16 on CUDA, float32 on the CPU
+    seed: int = 0
+    traffic: str = ""  # trace file; default: the packaged Azure LLM code trace
+    max_batch: int = 8
+    max_seq: int = 0  # KV cache positions per slot (CPU 512, CUDA 4096)
+    fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one)
+    fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
+    fast_rounds: int = 0  # timed A/B rounds (CPU 7, CUDA 15)
+    fast_iters: int = 0  # decode steps per round and side (CPU 2, CUDA 20)
+    warmup_rounds: int = 2  # rounds dropped
+    full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)
+    full_max_prompt: int = 0  # cap on prompt tokens (CPU 64, CUDA 2048)
+    full_max_output: int = 0  # cap on output tokens (CPU 8, CUDA 64)
+    full_reps: int = 3  # timed replays per side, after one warm-up each
+    trace_speed: float = 1.0  # arrivals compressed by this factor in the full tier
+    exact_rows: int = 4
+    exact_steps: int = 8
+    exact_max_prompt: int = 0  # CPU 48, CUDA 512
+    noise_scale: float = 100.0  # unused KV cells hold N(0, noise_scale) in exactness checks
+    prepare_budget_mb: float = 0.0  # default: the weights' size + 256 MiB
+    call_timeout_s: float = 600.0  # per call, in-process (the server adds its own)
+    implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
+    capture_graphs: bool = True
+
+    def resolved(self) -> "EngineConfig":
+        cuda = self.device.startswith("cuda")
+        pick = lambda v, c, g: v or (g if cuda else c)  # noqa: E731
+        return dataclasses.replace(
+            self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
+            max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 7, 15),
+            fast_iters=pick(self.fast_iters, 2, 20), full_requests=pick(self.full_requests, 10, 32),
+            full_max_prompt=pick(self.full_max_prompt, 64, 2048),
+            full_max_output=pick(self.full_max_output, 8, 64),
+            exact_max_prompt=pick(self.exact_max_prompt, 48, 512),
+            traffic=self.traffic or str(traffic.DEFAULT_TRACE))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        t0 = time.perf_counter()
+        self.config = cfg = (config or EngineConfig()).resolved()
+        self.device = torch.device(cfg.device)
+        self.dtype = parse_dtype(cfg.dtype)
+        mcfg, model_dir = resolve_model(cfg.model)
+        if cfg.shrink:
+            mcfg = shrink(mcfg)
+        self.model: ModelConfig = mcfg
+        self.model_dir = model_dir
+        self.family = family(mcfg)
+        max_seq = min(cfg.max_seq, mcfg.max_position_embeddings)
+        if model_dir is not None and not cfg.shrink:
+            weights = load_weights(model_dir, mcfg, self.dtype, self.device)
+            self.weights_source = str(model_dir)
+        else:
+            weights = init_weights(mcfg, cfg.seed, self.dtype, self.device)
+            self.weights_source = f"random init, seed {cfg.seed}"
+        self.weights_loaded = 1
+        k, v = new_cache(mcfg, cfg.max_batch + 1, max_seq, self.dtype, self.device)
+        self.pad_slot = cfg.max_batch  # the last slot: padding rows and warm-up write here
+        self.state = State(mcfg, weights, k, v, self.family.tables(mcfg, max_seq, self.dtype, self.device),
+                           tuple(range(mcfg.num_layers)))
+        n_fast = max(1, round(mcfg.num_layers * cfg.fast_fraction))
+        self.fast_layers = tuple(sorted({round(i * (mcfg.num_layers - 1) / max(1, n_fast - 1))
+                                         for i in range(n_fast)})) if n_fast > 1 else (mcfg.num_layers // 2,)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        self.weight_guard = WeightGuard(weights)
+        self.process_guard = ProcessGuard()
+        self.traffic = traffic.TrafficData.build(cfg.traffic, model_dir, mcfg.vocab_size)
+        self.cuda = self.device.type == "cuda"
+        self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= cfg.max_batch} | {cfg.max_batch})
+        self.inputs = StaticInputs(self.graph_sizes, self.device) if self.cuda else None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.candidates: dict[str, cands.Candidate] = {}
+        self.active = REFERENCE
+        self._next = 0
+        self._lock = threading.RLock()
+        self.fast_setup = measure.FastSetup.build(self)
+        self.replay_schedule = None  # built by the first full-tier call
+        ref = self._install(REFERENCE, Path(self.family.__file__).read_text(), "reference", None)
+        if not ref.ok:
+            raise RuntimeError(f"the reference forward pass failed to install: {ref.error}")
+        self.startup_s = time.perf_counter() - t0
+        log.info("engine ready", model=mcfg.name, device=cfg.device, dtype=cfg.dtype,
+                 layers=mcfg.num_layers, fast_layers=list(self.fast_layers), seconds=round(self.startup_s, 2))
+
+    # ---- tools -------------------------------------------------------------------------
+
+    def read_engine_source(self, path: str | None = None, start_line: int | None = None,
+                           end_line: int | None = None) -> dict:
+        from engine_server import snapshot
+        return snapshot.read(SNAPSHOT_DIR, path, start_line, end_line, reference=source_file(self.model))
+
+    def submit_forward_pass(self, source: str, name: str | None = None, parent: str | None = None,
+                            candidate_id: str | None = None) -> InstallResult:
+        with self._lock:
+            if candidate_id is None:
+                self._next += 1
+                candidate_id = f"l{self._next:04d}"
+            if candidate_id in self.candidates:
+                cands.unload(self.candidates.pop(candidate_id))
+            return self._install(candidate_id, source, name, parent)
+
+    def measure_fast(self, candidate_id: str) -> MeasureResult:
+        return self._run_checked(candidate_id, "fast", measure.fast)
+
+    def measure_full(self, candidate_id: str) -> MeasureResult:
+        return self._run_checked(candidate_id, "full", measure.full)
+
+    def check_bit_exact(self, candidate_id: str, mode: str = "bitwise", atol: float = 1e-2,
+                        rtol: float = 1e-2) -> ExactResult:
+        def run(eng, cand):
+            return exact.check(eng, cand, mode=mode, atol=atol, rtol=rtol)
+        return self._run_checked(candidate_id, "exact", run)
+
+    def rollback(self, candidate_id: str = REFERENCE) -> dict:
+        """Make `candidate_id` (default: the reference) the active forward pass."""
+        with self._lock:
+            if candidate_id not in self.candidates or not self.candidates[candidate_id].ok:
+                return {"ok": False, "active": self.active, "error": f"no installed candidate {candidate_id!r}"}
+            self.active = candidate_id
+            return {"ok": True, "active": candidate_id}
+
+    def remove(self, candidate_id: str) -> dict:
+        """Uninstall a candidate and free its graphs (the reference stays)."""
+        with self._lock:
+            if candidate_id == REFERENCE or candidate_id not in self.candidates:
+                return {"ok": False, "error": f"cannot remove {candidate_id!r}"}
+            cands.unload(self.candidates.pop(candidate_id))
+            if self.active == candidate_id:
+                self.active = REFERENCE
+            return {"ok": True}
+
+    def candidate_source(self, candidate_id: str) -> dict:
+        c = self.candidates.get(candidate_id)
+        if c is None:
+            return {"ok": False, "error": f"unknown candidate {candidate_id!r}"}
+        return {"ok": True, "candidate_id": candidate_id, "name": c.name, "parent": c.parent, "source": c.source}
+
+    def traffic_profile(self) -> dict:
+        return {"source": self.config.traffic, "profile": self.traffic.profile.model_dump()
+                if hasattr(self.traffic.profile, "model_dump") else dataclasses.asdict(self.traffic.profile),
+                "fast_shapes": [s.name for s in self.fast_setup.shapes],
+                "fast_layers": list(self.fast_layers),
+                "full_tier": {"requests": self.config.full_requests, "max_prompt": self.config.full_max_prompt,
+                              "max_output": self.config.full_max_output, "trace_speed": self.config.trace_speed}}
+
+    def info(self) -> dict:
+        return {"model": self.model.to_dict(), "family_source": source_file(self.model),
+                "weights": self.weights_source, "weights_loaded": self.weights_loaded,
+                "weight_bytes": self.weight_bytes, "config": dataclasses.asdict(self.config),
+                "hardware": hardware(str(self.device)).model_dump(), "fast_layers": list(self.fast_layers),
+                "candidates": sorted(self.candidates), "active": self.active,
+                "startup_s": round(self.startup_s, 3), "memory": self.memory()}
+
+    def memory(self) -> dict:
+        if not self.cuda:
+            return {"weights_bytes": self.weight_bytes}
+        return {"weights_bytes": self.weight_bytes, "allocated": torch.cuda.memory_allocated(self.device),
+                "peak_allocated": torch.cuda.max_memory_allocated(self.device),
+                "reserved": torch.cuda.memory_reserved(self.device)}
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def candidate_state(self, cand: cands.Candidate, layers: tuple[int, ...] | None = None) -> State:
+        """The State a candidate sees: shared tensors, its own weights dict and scratch."""
+        return dataclasses.replace(self.state, weights=dict(self.state.weights), scratch=cand.scratch,
+                                   layers=self.state.layers if layers is None else tuple(layers))
+
+    def _install(self, cid: str, source: str, name: str | None, parent: str | None) -> InstallResult:
+        t0 = time.perf_counter()
+        cand = cands.Candidate(cid, source, name, parent)
+        snap = self.state.clone_cache()
+        try:
+            with deadline(self.config.call_timeout_s):
+                cand.module = cands.load_module(cid, source)
+                cand.stage = "imported"
+                cand.forward = cands.validate(cand.module)
+                cand.stage = "validated"
+                budget = int(self.config.prepare_budget_mb * 2**20) or self.weight_bytes + 256 * 2**20
+                st = self.candidate_state(cand)
+                cands.run_prepare(cand, st, budget, exclude=self._weight_storages())
+                cand.stage = "prepared"
+                self._warmup(cand)
+                cand.stage = "warmed"
+                if self.cuda and self.config.capture_graphs:
+                    self._capture(cand)
+                    cand.stage = "captured"
+                cand.stage = "ready"
+        except cands.StageError as e:
+            cand.error = ErrorInfo.from_exc(e.stage, e.exc)
+        except TimeoutError as e:
+            cand.error = ErrorInfo.from_exc("timeout", e)
+        except BaseException as e:  # noqa: BLE001 - a candidate's failure is a result
+            cand.error = ErrorInfo.from_exc(_stage_after(cand.stage), cands._plain(e))
+        finally:
+            self.state.load_cache(*snap)
+        violations = self.weight_guard.check() + self.process_guard.check()
+        if violations and cand.error is None:
+            cand.error = ErrorInfo(stage="install", type="Violation", message="; ".join(violations))
+        if cand.error is not None:
+            cands.unload(cand)
+            if cand.stage in ("", "imported") and cand.error.stage == "parse":
+                cand.stage = ""
+        self.candidates[cid] = cand if cand.ok else self.candidates.get(cid, cand)
+        if not cand.ok:
+            self.candidates.pop(cid, None)
+        res = InstallResult(candidate_id=cid, name=name, parent=parent, ok=cand.ok,
+                            stage=cand.stage or "none", error=cand.error, prepare_bytes=cand.prepare_bytes,
+                            graphs=cand.graphs.names() if cand.graphs else [],
+                            seconds=round(time.perf_counter() - t0, 4))
+        log.info("install", candidate=cid, ok=res.ok, stage=res.stage,
+                 error=res.error.type if res.error else None, seconds=res.seconds)
+        return res
+
+    def _weight_storages(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in self.state.weights.values()}
+
+    def _warmup(self, cand: cands.Candidate) -> None:
+        """Prefill and decode once on the padding slot: every path runs before capture."""
+        st = self.candidate_state(cand)
+        from engine_server.state import decode_batch, prefill_batch
+        pad = torch.tensor([self.pad_slot], device=self.device)
+        toks = torch.tensor([self.traffic.tokens(4, 0)], device=self.device)
+        try:
+            out = cand.forward(st, prefill_batch(toks, pad))
+            out2 = cand.forward(st, decode_batch(toks[:, -1], torch.tensor([4], device=self.device), pad))
+            _check_logits(out, 1, self.model.vocab_size)
+            _check_logits(out2, 1, self.model.vocab_size)
+        except cands.StageError:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            raise cands.StageError("warmup", cands._plain(e)) from None
+
+    def _capture(self, cand: cands.Candidate) -> None:
+        graphs = StepGraphs(cand.forward, self.inputs, self.pool)
+        sizes = {(self.state.layers, b) for b in self.graph_sizes}
+        sizes |= {(self.fast_layers, s.batch) for s in self.fast_setup.shapes}
+        for b, static in self.inputs.batches.items():  # padding-slot inputs: captures write there only
+            static.slots.fill_(self.pad_slot)
+            static.positions.fill_(1)
+            static.tokens.fill_(0)
+        try:
+            for layers, b in sorted(sizes, key=lambda x: (len(x[0]), x[1])):
+                graphs.capture(self.candidate_state(cand, layers), b)
+        except BaseException as e:  # noqa: BLE001
+            graphs.clear()
+            raise cands.StageError("capture", cands._plain(e)) from None
+        cand.graphs = graphs
+
+    def _run_checked(self, candidate_id: str, what: str, fn):
+        """Run a measurement or check with the guards around it; failures become results."""
+        model = ExactResult if what == "exact" else MeasureResult
+        extra = {} if what == "exact" else {"tier": what}
+        with self._lock:
+            cand = self.candidates.get(candidate_id)
+            if cand is None:
+                return model(candidate_id=candidate_id, ok=False, valid=False, **extra,
+                             error=ErrorInfo(stage="lookup", type="KeyError",
+                                             message=f"no installed candidate {candidate_id!r}; "
+                                                     f"installed: {sorted(self.candidates)}")) \
+                    if what != "exact" else model(candidate_id=candidate_id, ok=False,
+                                                  error=ErrorInfo(stage="lookup", type="KeyError",
+                                                                  message=f"no installed candidate {candidate_id!r}"))
+            t0 = time.perf_counter()
+            snap = self.state.clone_cache() if what == "exact" else None
+            try:
+                with deadline(self.config.call_timeout_s):
+                    res = fn(self, cand)
+            except TimeoutError as e:
+                res = model(candidate_id=candidate_id, ok=False, **extra, error=ErrorInfo.from_exc("timeout", e))
+            except measure.CandidateFailure as e:
+                res = model(candidate_id=candidate_id, ok=False, **extra, error=ErrorInfo.from_exc("forward", e.exc))
+            finally:
+                if snap is not None:
+                    self.state.load_cache(*snap)
+            violations = self.weight_guard.check() + self.process_guard.check()
+            if violations:
+                res.violations = list(res.violations) + violations
+                if isinstance(res, ExactResult):
+                    res.exact = False
+                else:
+                    res.valid = False
+            res.seconds = round(time.perf_counter() - t0, 4)
+            res.hardware = hardware(str(self.device))
+            log.info(what, candidate=candidate_id, ok=res.ok,
+                     speedup=getattr(res, "speedup", None), exact=getattr(res, "exact", None),
+                     violations=len(res.violations), seconds=res.seconds)
+            return res
+
+
+def _stage_after(stage: str) -> str:
+    return {"": "import", "imported": "validate", "validated": "prepare", "prepared": "warmup",
+            "warmed": "capture"}.get(stage, "install")
+
+
+def _check_logits(out, batch: int, vocab: int) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"forward returned {type(out).__name__}, expected a tensor [B, vocab]")
+    if tuple(out.shape) != (batch, vocab):
+        raise ValueError(f"forward returned shape {tuple(out.shape)}, expected {(batch, vocab)}")
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise TimeoutError in the calling (main) thread after `seconds`. Interrupts Python-level
+    hangs only; a hang inside a kernel or C call is the server's to end, by killing the worker."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"call exceeded its timeout of {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
