@@ -46,6 +46,7 @@ class Candidate:
     graphs: Any = None  # graphs.StepGraphs on CUDA
     stage: str = ""
     error: ErrorInfo | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

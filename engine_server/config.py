@@ -106,6 +106,10 @@ def from_hf_dict(d: dict[str, Any], name: str = "", source: str = "") -> ModelCo
         if mt == "qwen3_moe" and (d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1):
             raise ConfigError("qwen3_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
                               "is not supported")
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window", True) and window and window < d["max_position_embeddings"]:
+            raise ConfigError(f"{source or 'config'}: sliding-window attention (sliding_window={window}) "
+                              "is not supported")
         eos = d.get("eos_token_id")
         return ModelConfig(
             model_type=mt, vocab_size=d["vocab_size"], hidden_size=hidden,
@@ -158,19 +162,18 @@ def shrink(cfg: ModelConfig, hidden: int = 128, layers: int = 4, vocab: int = 40
            max_pos: int = 4096) -> ModelConfig:
     """A CPU-sized copy of `cfg` that keeps the architecture's features.
 
-    Keeps: the GQA ratio (num_heads / num_kv_heads, with at least 2 kv heads where the
-    original has GQA), MoE top-k (experts reduced to max(2*top_k, 4) but at most the
+    Keeps: the GQA ratio (num_heads / num_kv_heads, with 2 kv groups where the original
+    has GQA and that stays at 16 heads or fewer), MoE top-k (experts reduced to max(2*top_k, 4) but at most the
     original count), biases, norms, qk-norm, tying, RoPE scaling type, activation.
     head_dim is at least 32.
     """
     ratio = cfg.num_heads // cfg.num_kv_heads
-    kv = 1 if ratio == cfg.num_heads else 2
-    heads = kv * ratio
-    if heads > 8:  # keep small: fall back to the smallest head count with the same ratio
-        kv, heads = 1, ratio
-        if heads > 16:
-            heads = 16
-            kv = max(1, heads // ratio)
+    if ratio == 1:  # multi-head attention
+        kv = heads = 4
+    elif cfg.num_kv_heads == 1:  # multi-query
+        kv, heads = 1, min(cfg.num_heads, 8)
+    else:  # grouped-query: two kv groups at the same ratio where that stays small
+        kv, heads = (2, 2 * ratio) if 2 * ratio <= 16 else (1, min(ratio, 16))
     head_dim = max(32, hidden // heads)
     experts = min(cfg.num_experts, max(2 * cfg.num_experts_per_tok, 4)) if cfg.is_moe else 0
     rope_scaling = None
@@ -180,7 +183,7 @@ def shrink(cfg: ModelConfig, hidden: int = 128, layers: int = 4, vocab: int = 40
             rope_scaling["original_max_position_embeddings"] = max(64, max_pos // 4)
     return dataclasses.replace(
         cfg, vocab_size=min(vocab, cfg.vocab_size), hidden_size=hidden,
-        intermediate_size=hidden * 3 if cfg.model_type != "gpt2" else hidden * 4,
+        intermediate_size=hidden if cfg.model_type == "mixtral" else hidden * (4 if cfg.model_type == "gpt2" else 3),
         num_layers=min(layers, cfg.num_layers), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         max_position_embeddings=min(max_pos, cfg.max_position_embeddings),
         rope_scaling=rope_scaling, num_experts=experts,

@@ -258,7 +258,7 @@ class Engine:
             self.candidates.pop(cid, None)
         res = InstallResult(candidate_id=cid, name=name, parent=parent, ok=cand.ok,
                             stage=cand.stage or "none", error=cand.error, prepare_bytes=cand.prepare_bytes,
-                            graphs=cand.graphs.names() if cand.graphs else [],
+                            graphs=cand.graphs.names() if cand.graphs else [], notes=cand.notes,
                             seconds=round(time.perf_counter() - t0, 4))
         log.info("install", candidate=cid, ok=res.ok, stage=res.stage,
                  error=res.error.type if res.error else None, seconds=res.seconds)
@@ -294,9 +294,12 @@ class Engine:
         try:
             for layers, b in sorted(sizes, key=lambda x: (len(x[0]), x[1])):
                 graphs.capture(self.candidate_state(cand, layers), b)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - not capturable: it runs eagerly, and says so
             graphs.clear()
-            raise cands.StageError("capture", cands._plain(e)) from None
+            torch.cuda.synchronize()
+            cand.notes.append(f"not capturable in a CUDA graph, runs eagerly: {type(e).__name__}: "
+                              f"{str(e)[:300]}")
+            return
         cand.graphs = graphs
 
     def _run_checked(self, candidate_id: str, what: str, fn):

@@ -140,7 +140,7 @@ def _experts_active(eng, shapes: list[Shape]) -> float:
         b = s.batch.clone()
         b.expert_log = []
         eng.family.forward(eng.state, b)
-        vals.append(experts_active(b.expert_log)["per_layer_mean"])
+        vals.append(experts_active(b.expert_log)["mean_per_layer"])
     return round(statistics.mean(vals), 3)
 
 

@@ -76,6 +76,7 @@ class InstallResult(BaseModel):
     error: ErrorInfo | None = None
     prepare_bytes: int = Field(0, description="memory that prepare() allocated")
     graphs: list[str] = Field(default_factory=list, description="CUDA graphs captured, by shape")
+    notes: list[str] = Field(default_factory=list, description="e.g. why it runs without CUDA graphs")
     seconds: float = 0.0
 
 

@@ -368,13 +368,20 @@ def test_shrink_keeps_architecture(name):
 
 # --- against transformers (only where it is installed) --------------------------------------
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "gpt2"])
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+              "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+@pytest.mark.parametrize("name", PRESETS)
 def test_matches_transformers(name, tmp_path):
+    """Our reference vs transformers' own model, loaded from the directory we saved."""
     transformers = pytest.importorskip("transformers")
     cfg = shrunk(name)
+    cls = getattr(transformers, HF_CLASSES[cfg.model_type], None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {HF_CLASSES[cfg.model_type]}")
     w = init_weights(cfg, seed=0)
     save_weights(w, cfg, tmp_path)
-    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[cfg.model_type]
     hf = cls.from_pretrained(str(tmp_path)).float().eval()
     tokens = prompt(cfg)
     with torch.no_grad():

@@ -25,8 +25,10 @@ helpers ``text()``, ``tool()``, ``tools()``, ``error()``. Tool names resolve
 by suffix against the request's tools (``submit_forward_pass`` ->
 ``mcp__tkcc__submit_forward_pass``). ``APIError`` answers with its HTTP status
 and ``{"type": "error", "error": {...}}``; ``x-should-retry: false`` unless
-``retryable`` (Claude Code retries 429/5xx/529 otherwise, with backoff).
-A policy exception answers 400 and is kept in ``api.errors``.
+``retryable``. Claude Code honours the header (retryable 429/5xx/529: retried
+with ~0.5 s, 1 s, ... backoff; otherwise it fails at once), but re-sends a 400
+up to 3 times at once with betas dropped (its feature fallback). A policy
+exception answers 400 and is kept in ``api.errors``.
 
 ``tool_sequence(steps, final=...)`` builds a stateless policy: the step index
 is the number of assistant turns already in the main conversation, so
@@ -37,11 +39,19 @@ calls and their tool_result contents (``conv.result("submit_forward_pass")
 .json()["candidate_id"]``). After the steps it answers ``final`` (str or
 callable). Requests that are not the main conversation (no tool of the
 script in ``tools`` nor deferred behind ToolSearch: title/summary generation,
-``max_tokens=1`` quota probes, ...) get ``side_text`` (as JSON when
-``output_config.format`` asks for a json_schema, e.g. ``{"title": side_text}``). If a tool is deferred
-(ToolSearch on), the sequence first calls ``ToolSearch`` with
-``select:<full name>`` on its own. ``fail_first(policy, n, error)`` fails the
-first n main requests (transient API failure).
+``max_tokens=1`` quota probes, ...) get ``side_text``, as JSON when
+``output_config.format`` asks for a json_schema (Claude Code's session title:
+``{"title": side_text}``). If a tool is deferred (ToolSearch on), the
+sequence first calls ``ToolSearch`` with ``select:<full name>`` on its own.
+``fail_first(policy, n, error)`` fails the first n main requests (default
+529 overloaded: a transient API failure).
+
+Claude Code (claude-agent-sdk ``ClaudeAgentOptions``) that works here:
+``mcp_servers={"tkcc": {"type": "stdio", "command": sys.executable, "args":
+[...]}}, allowed_tools=["mcp__tkcc"], env=api.claude_env(CLAUDE_CONFIG_DIR=
+tmp), cwd=tmp, strict_mcp_config=True, setting_sources=[], tools=[]`` (no
+built-in tools), ``max_turns=...``. ``permission_mode="bypassPermissions"``
+is refused when running as root (unless IS_SANDBOX=1).
 
 Recorded (thread-safe copies): ``api.requests`` (every /v1/messages body),
 ``api.main_requests``, ``api.log`` (``Recorded`` for every HTTP request, with
@@ -285,11 +295,11 @@ class Conversation:
 
     @property
     def prompt(self) -> str:
-        """Text of the last user message that is not only tool results."""
+        """Text of the last user message that carries no tool_result."""
         for m in reversed(self.messages):
             c = m.get("content")
-            if m.get("role") == "user" and (isinstance(c, str) or any(
-                    isinstance(b, dict) and b.get("type") == "text" for b in c or [])):
+            if m.get("role") == "user" and (isinstance(c, str) or not any(
+                    isinstance(b, dict) and b.get("type") == "tool_result" for b in c or [])):
                 return _block_text(c)
         return ""
 
@@ -330,14 +340,19 @@ class ToolSequence:
             if isinstance(out, str):
                 return Reply(text=out)
         else:
-            out = Reply(text=step) if step is self.final else step
+            out = step if n < len(self.steps) else Reply(text=step)
         if isinstance(out, APIError):
             return out
         reply = out if isinstance(out, Reply) else Reply(tool_calls=[_as_call(out)])
         calls = [ToolCall(resolve_tool(c.name, body), c.input, c.id or f"{_STEP_ID}{n:03d}_{k}_{uuid.uuid4().hex[:12]}")
                  for k, c in enumerate(reply.tool_calls)]
-        present = set(conv.tool_names)
-        missing = sorted({c.name for c in calls if c.name not in present})
+        present, searched = set(conv.tool_names), set()
+        for m in conv.messages:  # names already asked of ToolSearch: never loop on them
+            if m.get("role") == "assistant" and _only_search(m):
+                for b in m["content"]:
+                    q = str((b.get("input") or {}).get("query", ""))
+                    searched.update(q.removeprefix("select:").split(","))
+        missing = sorted({c.name for c in calls if c.name not in present | searched})
         if missing and TOOL_SEARCH in present:  # deferred tools: load them first
             return Reply(tool_calls=[ToolCall(TOOL_SEARCH, {"query": "select:" + ",".join(missing),
                                                             "max_results": len(missing)},
@@ -379,17 +394,18 @@ def fail_first(policy: Policy, n: int = 1, err: APIError | None = None) -> Polic
     """Answer the first ``n`` main requests with ``err``, then defer to ``policy``."""
     err = err or APIError(529, "overloaded_error", "Overloaded", retryable=True)
     lock, left = threading.Lock(), [n]
-    is_main = getattr(policy, "is_main", lambda body: True)
+    is_main = getattr(policy, "is_main", None)
 
     def wrapped(body: dict) -> Outcome:
-        if is_main(body):
+        if is_main is None or is_main(body):
             with lock:
                 if left[0] > 0:
                     left[0] -= 1
                     return err
         return policy(body)
 
-    wrapped.is_main = is_main  # type: ignore[attr-defined]
+    if is_main is not None:
+        wrapped.is_main = is_main  # type: ignore[attr-defined]
     return wrapped
 
 

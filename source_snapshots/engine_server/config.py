@@ -1,0 +1,201 @@
+"""Model configuration: one dataclass, built from a real Hugging Face `config.json`.
+
+Presets are the real config files in `engine_server/presets/` (see ATTRIBUTION.md there).
+`--model` takes a preset name, a path to a `config.json`, or a local HF model directory.
+`shrink()` scales a real config down for the CPU while keeping what makes the
+architecture itself: GQA ratio, MoE top-k, biases, norms, tying, RoPE scaling kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+# model_type -> family module under engine_server/models/
+FAMILIES = {
+    "llama": "llama",
+    "qwen2": "llama",
+    "mistral": "llama",
+    "mixtral": "moe",
+    "qwen3_moe": "moe",
+    "gpt2": "gpt2",
+}
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+class ConfigError(ValueError):
+    """A model config or model directory the engine cannot use; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"
+    # MoE (0 experts = dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = ""
+    source: str = ""  # where the config came from
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.model_type]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("raw")
+        return d
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def from_hf_dict(d: dict[str, Any], name: str = "", source: str = "") -> ModelConfig:
+    """Map a HF config dict onto ModelConfig. Unsupported model_type is a ConfigError."""
+    mt = d.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(
+            f"unsupported model_type {mt!r} in {source or 'config'}; supported: {sorted(FAMILIES)}")
+    try:
+        if mt == "gpt2":
+            hidden = d["n_embd"]
+            heads = d["n_head"]
+            return ModelConfig(
+                model_type=mt, vocab_size=d["vocab_size"], hidden_size=hidden,
+                intermediate_size=d.get("n_inner") or 4 * hidden, num_layers=d["n_layer"],
+                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                max_position_embeddings=d["n_positions"], norm_eps=d.get("layer_norm_epsilon", 1e-5),
+                tie_word_embeddings=True, attention_bias=True,
+                hidden_act=d.get("activation_function", "gelu_new"),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+                name=name, source=source, raw=d)
+        hidden = d["hidden_size"]
+        heads = d["num_attention_heads"]
+        moe = mt in ("mixtral", "qwen3_moe")
+        if mt == "qwen3_moe" and (d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1):
+            raise ConfigError("qwen3_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
+                              "is not supported")
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window", True) and window and window < d["max_position_embeddings"]:
+            raise ConfigError(f"{source or 'config'}: sliding-window attention (sliding_window={window}) "
+                              "is not supported")
+        eos = d.get("eos_token_id")
+        return ModelConfig(
+            model_type=mt, vocab_size=d["vocab_size"], hidden_size=hidden,
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            max_position_embeddings=d["max_position_embeddings"],
+            norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=d.get("rope_theta", 10000.0),
+            rope_scaling=d.get("rope_scaling"),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", mt == "qwen2"),
+            qk_norm=mt == "qwen3_moe", hidden_act=d.get("hidden_act", "silu"),
+            num_experts=(d.get("num_local_experts") or d.get("num_experts") or 0) if moe else 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if moe else 0,
+            moe_intermediate_size=(d.get("moe_intermediate_size") or d["intermediate_size"]) if moe else 0,
+            norm_topk_prob=d.get("norm_topk_prob", mt == "mixtral"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            name=name, source=source, raw=d)
+    except KeyError as e:
+        raise ConfigError(f"{source or 'config'}: missing field {e.args[0]!r} for model_type {mt!r}") from None
+
+
+def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
+    """`model` -> (config, model_dir or None). A preset name, a config.json path, or an HF dir."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg_path = p / "config.json"
+        if not cfg_path.exists():
+            raise ConfigError(f"model directory {p} has no config.json")
+        return load_config_file(cfg_path, name=p.name), p
+    if p.suffix == ".json" and p.exists():
+        return load_config_file(p, name=p.stem.removesuffix(".config")), None
+    preset = PRESETS_DIR / f"{model}.json"
+    if preset.exists():
+        return load_config_file(preset, name=model), None
+    raise ConfigError(f"unknown model {model!r}: not a directory, a config.json, or a preset "
+                      f"(presets: {', '.join(preset_names())})")
+
+
+def load_config_file(path: Path, name: str = "") -> ModelConfig:
+    try:
+        d = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return from_hf_dict(d, name=name or Path(path).stem, source=str(path))
+
+
+def shrink(cfg: ModelConfig, hidden: int = 128, layers: int = 4, vocab: int = 4096,
+           max_pos: int = 4096) -> ModelConfig:
+    """A CPU-sized copy of `cfg` that keeps the architecture's features.
+
+    Keeps: the GQA ratio (num_heads / num_kv_heads, with 2 kv groups where the original
+    has GQA and that stays at 16 heads or fewer), MoE top-k (experts reduced to max(2*top_k, 4) but at most the
+    original count), biases, norms, qk-norm, tying, RoPE scaling type, activation.
+    head_dim is at least 32.
+    """
+    ratio = cfg.num_heads // cfg.num_kv_heads
+    if ratio == 1:  # multi-head attention
+        kv = heads = 4
+    elif cfg.num_kv_heads == 1:  # multi-query
+        kv, heads = 1, min(cfg.num_heads, 8)
+    else:  # grouped-query: two kv groups at the same ratio where that stays small
+        kv, heads = (2, 2 * ratio) if 2 * ratio <= 16 else (1, min(ratio, 16))
+    head_dim = max(32, hidden // heads)
+    experts = min(cfg.num_experts, max(2 * cfg.num_experts_per_tok, 4)) if cfg.is_moe else 0
+    rope_scaling = None
+    if cfg.rope_scaling:
+        rope_scaling = dict(cfg.rope_scaling)
+        if "original_max_position_embeddings" in rope_scaling:
+            rope_scaling["original_max_position_embeddings"] = max(64, max_pos // 4)
+    return dataclasses.replace(
+        cfg, vocab_size=min(vocab, cfg.vocab_size), hidden_size=hidden,
+        intermediate_size=hidden if cfg.model_type == "mixtral" else hidden * (4 if cfg.model_type == "gpt2" else 3),
+        num_layers=min(layers, cfg.num_layers), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        max_position_embeddings=min(max_pos, cfg.max_position_embeddings),
+        rope_scaling=rope_scaling, num_experts=experts,
+        moe_intermediate_size=hidden if cfg.is_moe else 0,
+        bos_token_id=None if cfg.bos_token_id is None else min(cfg.bos_token_id, vocab - 1),
+        eos_token_id=None if cfg.eos_token_id is None else min(cfg.eos_token_id, vocab - 1),
+        name=f"{cfg.name}-shrunk")
+
+
+def parse_dtype(name: str):
+    import torch
+    key = DTYPES.get(name)
+    if key is None:
+        raise ConfigError(f"bad dtype {name!r}; use one of {sorted(DTYPES)}")
+    return getattr(torch, key)

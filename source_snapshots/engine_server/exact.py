@@ -1,0 +1,176 @@
+"""Bitwise exactness of a candidate against the reference (a diff harness).
+
+Both sides start from the same cloned cache state, whose every cell holds large seeded
+noise, so a read of a cell the batch does not own shows up. Inputs are traffic-shaped:
+`exact_rows` real prompts with lengths sampled from the trace, each prefilled alone, then
+`exact_steps` greedy decode steps of all rows together (through the CUDA graphs when
+captured: the path that is timed is the path that is checked). The candidate runs first,
+so it cannot read the reference's answer for the same inputs.
+
+Compared with `torch.equal`: the logits of every prefill and decode step, the greedy token
+streams, and the whole KV cache afterwards (K/V written outside the batch's cells, or
+wrong, differ). Then two probes: the fast tier's layer subset (a candidate must honour
+`state.layers`), and a step re-run on a changed cache, whose output must change exactly as
+the reference's does (results kept across calls are caught). Tolerance mode reports
+closeness (`close`) but `exact` stays bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_server.measure import call, compare, run_step
+from engine_server.results import ExactResult, Mismatch
+from engine_server.state import decode_batch, prefill_batch
+
+
+def _noise(eng, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scale = eng.config.noise_scale
+
+    def fill(ts):
+        return [(torch.randn(t.shape, generator=g) * scale).to(t.dtype).to(t.device) for t in ts]
+    return fill(eng.state.k_cache), fill(eng.state.v_cache)
+
+
+def _first_diff(ref: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    """(row, index) of the first differing element (NaN counts as differing)."""
+    if out.shape != ref.shape:
+        return 0, -1
+    neq = (ref != out) | (ref.isnan() != out.isnan())
+    idx = neq.flatten().nonzero()
+    if len(idx) == 0:
+        return -1, -1
+    flat = idx[0].item()
+    return flat // ref.shape[-1], flat % ref.shape[-1]
+
+
+class _Diff:
+    def __init__(self, res: ExactResult, mode: str, atol: float, rtol: float):
+        self.res, self.mode, self.atol, self.rtol = res, mode, atol, rtol
+        self.close = True
+
+    def logits(self, phase: str, step: int, ref: torch.Tensor, out: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            self.res.violations.append(f"{phase} step {step}: output {shape}, expected {tuple(ref.shape)}")
+            self.close = False
+            return
+        if torch.equal(ref, out):
+            return
+        d = (ref.float() - out.float()).abs()
+        m = d.max().item() if not d.isnan().any() else float("nan")
+        self.res.max_abs_diff = m if m != m else max(self.res.max_abs_diff, m)
+        if self.mode == "tolerance" and not torch.allclose(out.float(), ref.float(), self.atol, self.rtol):
+            self.close = False
+        if self.res.first_mismatch is None:
+            row, i = _first_diff(ref, out)
+            self.res.first_mismatch = Mismatch(phase=phase, step=step, row=row, index=i,
+                                               reference=ref[row, i].item() if i >= 0 else 0.0,
+                                               candidate=out[row, i].item() if i >= 0 else 0.0)
+
+
+def _side(eng, cand, noise, prompts, steps):
+    """Prefill each row alone, then greedy-decode all rows together; returns
+    (prefill logits, decode logits per step, tokens per step, cache after, violations)."""
+    eng.state.load_cache(*noise)
+    st = eng.candidate_state(cand)
+    dev, viol = eng.device, []
+    pre, toks, lens = [], [], []
+    for slot, ids in enumerate(prompts):
+        b = prefill_batch(torch.tensor([ids], device=dev), torch.tensor([slot], device=dev))
+        out, v = run_step(eng, cand, st, b)
+        viol += v
+        pre.append(out)
+        toks.append(out.argmax(-1))
+        lens.append(len(ids))
+    cur = torch.cat(toks)
+    slots = torch.arange(len(prompts), device=dev)
+    lens_t = torch.tensor(lens, device=dev)
+    dec, stream = [], [cur]
+    for s in range(steps):
+        out, v = run_step(eng, cand, st, decode_batch(cur, lens_t + s, slots))
+        viol += v
+        dec.append(out)
+        cur = out.argmax(-1)
+        stream.append(cur)
+    return pre, dec, torch.stack(stream), eng.state.clone_cache(), viol
+
+
+def check(eng, cand, mode: str = "bitwise", atol: float = 1e-2, rtol: float = 1e-2) -> ExactResult:
+    if mode not in ("bitwise", "tolerance"):
+        raise ValueError(f"mode must be 'bitwise' or 'tolerance', not {mode!r}")
+    cfg = eng.config
+    ref = eng.candidates["reference"]
+    from engine_server.traffic import sample_lengths
+    rows = min(cfg.exact_rows, cfg.max_batch)
+    reqs = sample_lengths(eng.traffic.trace, rows, seed=2)
+    limit = min(cfg.exact_max_prompt, eng.state.max_seq - cfg.exact_steps - 2)
+    prompts = [eng.traffic.tokens(max(1, min(r.prompt_len, limit)), 100 + i) for i, r in enumerate(reqs)]
+    res = ExactResult(candidate_id=cand.id, ok=True, mode=mode, steps=cfg.exact_steps, rows=len(prompts))
+    diff = _Diff(res, mode, atol, rtol)
+    noise = _noise(eng, seed=1234)
+
+    c_pre, c_dec, c_stream, c_kv, c_viol = _side(eng, cand, noise, prompts, cfg.exact_steps)
+    r_pre, r_dec, r_stream, r_kv, _ = _side(eng, ref, noise, prompts, cfg.exact_steps)
+    res.violations += c_viol
+    for i, (r, c) in enumerate(zip(r_pre, c_pre)):
+        diff.logits("prefill", i, r, c)
+    for s, (r, c) in enumerate(zip(r_dec, c_dec)):
+        diff.logits("decode", s, r, c)
+    res.tokens_equal = torch.equal(r_stream, c_stream)
+    res.kv_equal = all(torch.equal(a, b) for a, b in zip(r_kv[0] + r_kv[1], c_kv[0] + c_kv[1]))
+    if not res.kv_equal:
+        res.violations.append(_kv_report(eng, r_kv, c_kv, prompts, cfg.exact_steps))
+
+    # probe 1: the fast tier's layer subset
+    sub = {}
+    for name, c in (("cand", cand), ("ref", ref)):
+        eng.state.load_cache(*noise)
+        st = eng.candidate_state(c, eng.fast_layers)
+        b = prefill_batch(torch.tensor([prompts[0]], device=eng.device), torch.tensor([0], device=eng.device))
+        sub[name] = call(lambda: c.forward(st, b)).detach().clone()
+    if not torch.equal(sub["ref"], sub["cand"]) and res.first_mismatch is None:
+        res.violations.append(f"does not honour state.layers: on the fast tier's layers {list(eng.fast_layers)} "
+                              f"its logits differ from the reference's")
+        diff.logits("layers-subset", 0, sub["ref"], sub["cand"])
+
+    # probe 2: the same step on a changed cache must change the output as the reference's does
+    probe = {}
+    last = decode_batch(r_stream[-2], torch.tensor([len(p) + cfg.exact_steps - 1 for p in prompts],
+                                                   device=eng.device), torch.arange(len(prompts), device=eng.device))
+    for name, c in (("cand", cand), ("ref", ref)):
+        outs = []
+        for seed in (1234, 99):
+            eng.state.load_cache(*_noise(eng, seed))
+            outs.append(run_step(eng, c, eng.candidate_state(c), last)[0])
+        probe[name] = outs
+    for k in range(2):
+        if not torch.equal(probe["ref"][k], probe["cand"][k]):
+            diff.logits("probe", k, probe["ref"][k], probe["cand"][k])
+            if k == 1 and torch.equal(probe["cand"][0], probe["cand"][1]):
+                res.violations.append("returned a result kept from an earlier call: the same step on a "
+                                      "different cache gave the same logits")
+    bitwise = res.first_mismatch is None and res.tokens_equal and res.kv_equal
+    res.exact = bitwise and not res.violations
+    if mode == "tolerance":
+        res.close = diff.close and res.tokens_equal
+    return res
+
+
+def _kv_report(eng, r_kv, c_kv, prompts, steps) -> str:
+    """Say whether the differing cells lie inside or outside the batch's own cells."""
+    owned = set()
+    for slot, p in enumerate(prompts):
+        owned |= {(slot, pos) for pos in range(len(p) + steps)}
+    outside = inside = 0
+    for a, b in zip(r_kv[0] + r_kv[1], c_kv[0] + c_kv[1]):
+        ne = (a != b).any(dim=1).any(dim=-1).nonzero().tolist()  # [(slot, pos)]
+        for slot, pos in ne:
+            if (slot, pos) in owned:
+                inside += 1
+            else:
+                outside += 1
+    if outside:
+        return f"wrote K/V outside its cache cells ({outside} cells outside the batch's slots/positions)"
+    return f"K/V in its own cells differ from the reference's ({inside} cells)"

@@ -1,0 +1,101 @@
+"""Anti-cheat checks: the verdicts must hold against a candidate that tampers with the
+process it runs in. Each check returns a list of violations (plain sentences); empty = clean.
+
+What is caught, and where (tests/cheaters/ holds one candidate of each kind):
+- writing to the weights: `WeightGuard` (a pristine copy, tensor identity and version
+  counters), after prepare and after every guarded run;
+- results kept from an earlier call: `exact.py`'s probe re-runs a step on a changed cache
+  and the output must change as the reference's does;
+- skipping layers: bitwise logits over all layers and over the fast tier's subset
+  (`exact.py`), and the timed outputs compared with the reference's (`measure.py`);
+- K/V written outside the batch's cells: the whole cache compared with the reference's
+  after the same steps (`exact.py`);
+- work left unsynchronised on a side stream or thread: `settled()` reads the output in
+  stream order as `forward` returns and again after a full device sync and a pause;
+- patching the engine (timers, checks, torch entry points): `ProcessGuard` snapshots them at
+  start and restores and reports any that changed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class WeightGuard:
+    """Keeps a pristine copy of the weights, out of the candidates' reach by convention only:
+    the copy lives in this object, not in State."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+        self.ids = {k: (id(t), t.data_ptr()) for k, t in weights.items()}
+        self.copy = {k: t.detach().clone() for k, t in weights.items()}
+        self.versions = {k: t._version for k, t in weights.items()}
+
+    def check(self, weights: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """Compare the engine's weights (and, if given, the dict a candidate saw) with the copy.
+        Restores any tensor it finds changed, so the next candidate starts clean."""
+        out = []
+        if weights is not None and set(weights) != set(self.copy):
+            out.append("changed the set of weight tensors in state.weights")
+        for k, ref in self.copy.items():
+            t = self.weights[k]
+            if (id(t), t.data_ptr()) != self.ids[k] or (weights is not None and k in weights
+                                                       and weights[k] is not t):
+                out.append(f"replaced weight tensor {k}")
+            elif t._version != self.versions[k] or not torch.equal(t, ref):
+                out.append(f"wrote to weight {k}")
+                t.copy_(ref)
+                self.versions[k] = t._version
+        return out
+
+
+def settled(run: Callable[[], torch.Tensor], pause_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
+    """Run a forward pass and check its output is final when it returns.
+
+    The first copy is taken in stream order right after the call (what a caller that trusts
+    the stream sees); the second after synchronising the device and a pause, so work left
+    running on another stream or thread has landed. They must be equal.
+    """
+    out = run()
+    first = out.detach().clone()  # ordered on the current stream
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    time.sleep(pause_s)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    if not torch.equal(first, out) and not (first.isnan().any() and torch.equal(first.isnan(), out.isnan())):
+        return first, ["left work unsynchronised: the output changed after forward returned "
+                       "(a side stream or thread the caller cannot see)"]
+    return first, []
+
+
+class ProcessGuard:
+    """Snapshot of the process entry points that measurement and checks rely on."""
+
+    def __init__(self, extra: list[tuple[object, str]] | None = None):
+        import builtins
+        import gc
+
+        import engine_server.exact as exact
+        import engine_server.measure as measure
+
+        targets = [(time, "perf_counter"), (time, "perf_counter_ns"), (time, "monotonic"), (time, "sleep"),
+                   (torch, "equal"), (torch.Tensor, "clone"), (torch.Tensor, "copy_"), (torch, "allclose"),
+                   (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
+                   (builtins, "compile"), (gc, "collect")]
+        for mod in (exact, measure):
+            targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
+        targets += list(extra or [])
+        self.saved = [(obj, name, getattr(obj, name)) for obj, name in targets if hasattr(obj, name)]
+
+    def check(self) -> list[str]:
+        out = []
+        for obj, name, orig in self.saved:
+            if getattr(obj, name, None) is not orig:
+                owner = getattr(obj, "__name__", type(obj).__name__)
+                out.append(f"tampered with the engine: {owner}.{name} was replaced")
+                setattr(obj, name, orig)
+        return out

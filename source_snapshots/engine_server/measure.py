@@ -1,0 +1,433 @@
+"""Two measurement tiers, reference and candidate A/B in the same call, on real traffic.
+
+Fast tier (`fast`): the decode step on a subset of the layers (engine.fast_layers, about a
+fifth, at least one), over a few traffic-shaped decode batches: context lengths at
+quantiles of the trace's prompt lengths, batch 1 and a batch of the trace's concurrency,
+KV cache prefilled by the reference from real prompt text. Seconds.
+
+Full tier (`full`): all layers, a replay of the trace: its first requests, lengths capped by
+config, arrivals in trace time, up to max_batch requests decoding together. The schedule
+(which rows run in which step) is fixed by a first reference pass, so both sides replay the
+same operations; each operation is timed and the virtual clock gives per-user tokens/s,
+time to first token and throughput for each side.
+
+Both: rounds alternate which side goes first; warm-up dropped; medians with spread;
+speedup = reference time / candidate time with a paired bootstrap 95% interval. On CUDA the
+decode steps replay each forward pass's CUDA graphs and are timed with CUDA events. The
+timed outputs are compared with the reference's on the same inputs: a candidate that is
+fast only while timed (skips layers, returns stale results) is flagged, not rewarded.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_server.guards import settled
+from engine_server.results import MeasureResult, ShapeTiming
+from engine_server.state import Batch, decode_batch, prefill_batch
+
+BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
+
+
+class CandidateFailure(Exception):
+    """The candidate's forward raised while being measured or checked."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.exc = exc
+
+
+def call(fn, *args):
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001 - the candidate's failure, not ours
+        if isinstance(e, TimeoutError):
+            raise
+        raise CandidateFailure(e) from None
+
+
+# ---- statistics ----------------------------------------------------------------------
+
+def iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return max(xs) - min(xs) if xs else 0.0
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+def bootstrap_ratio(num: list[float], den: list[float], stat=statistics.median, n: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """95% interval of stat(num)/stat(den), resampling the paired indices."""
+    rng = random.Random(seed)
+    k = len(num)
+    vals = []
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        d = stat([den[i] for i in idx])
+        vals.append(stat([num[i] for i in idx]) / d if d > 0 else float("inf"))
+    vals.sort()
+    return vals[int(0.025 * n)], vals[min(n - 1, int(0.975 * n))]
+
+
+# ---- fast tier -----------------------------------------------------------------------
+
+@dataclass
+class Shape:
+    name: str
+    batch: Batch  # decode batch: real next tokens at each row's context length
+    contexts: list[int]
+
+    @property
+    def size(self) -> int:
+        return self.batch.size
+
+
+@dataclass
+class FastSetup:
+    shapes: list[Shape]
+    kv: tuple  # cache snapshot after the reference prefilled every shape's rows
+    experts_active: float | None = None
+    step_bytes: int = 0  # weight bytes one fast-tier decode step must read
+
+    @classmethod
+    def build(cls, eng) -> "FastSetup":
+        cfg, state = eng.config, eng.state
+        reqs = [r for r in _sample(eng, max(1, cfg.fast_contexts))]
+        ctx = [max(1, min(r.prompt_len, state.max_seq - 2)) for r in reqs]
+        wide = min(cfg.max_batch - len(ctx), max(2, round(eng.traffic.profile.concurrency)))
+        groups = [[c] for c in sorted(set(ctx))]
+        if wide > 1:
+            many = _sample(eng, wide, seed=1)
+            groups.append([max(1, min(r.prompt_len, state.max_seq - 2)) for r in many])
+        shapes, slot = [], 0
+        with torch.no_grad():
+            for contexts in groups:
+                rows = []
+                for c in contexts:
+                    ids = eng.traffic.tokens(c + 1, slot)
+                    prompt = torch.tensor([ids[:c]], device=eng.device)
+                    eng.family.forward(state, prefill_batch(prompt, torch.tensor([slot], device=eng.device)))
+                    rows.append((ids[c], c, slot))
+                    slot += 1
+                t, p, s = (torch.tensor(x, device=eng.device) for x in zip(*rows))
+                name = f"decode B={len(rows)} ctx={','.join(map(str, contexts))}"
+                shapes.append(Shape(name, decode_batch(t, p, s), contexts))
+        setup = cls(shapes, state.clone_cache())
+        if eng.model.is_moe:
+            setup.experts_active = _experts_active(eng, shapes)
+            state.load_cache(*setup.kv)
+        layer_bytes = sum(t.numel() * t.element_size() for k, t in state.weights.items()
+                          if any(f".{i}." in k for i in eng.fast_layers) and ".layers." in k or ".h." in k)
+        head = eng.model.vocab_size * eng.model.hidden_size * state.weights[next(iter(state.weights))].element_size()
+        setup.step_bytes = layer_bytes + head
+        return setup
+
+
+def _sample(eng, n: int, seed: int = 0):
+    from engine_server.traffic import sample_lengths
+    return sample_lengths(eng.traffic.trace, n, seed=seed)
+
+
+def _experts_active(eng, shapes: list[Shape]) -> float:
+    from engine_server.models.moe import experts_active
+    vals = []
+    for s in shapes:
+        b = s.batch.clone()
+        b.expert_log = []
+        eng.family.forward(eng.state, b)
+        vals.append(experts_active(b.expert_log)["per_layer_mean"])
+    return round(statistics.mean(vals), 3)
+
+
+def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
+    """Seconds per decode step of `cand` on `shape` (graph replay + CUDA events on CUDA)."""
+    if eng.cuda and cand.graphs is not None and cand.graphs.has(state, shape.size):
+        eng.inputs.fill(shape.batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            cand.graphs.replay(state, shape.size)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    if eng.cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        call(cand.forward, state, shape.batch)
+    if eng.cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def run_step(eng, cand, state, batch: Batch) -> torch.Tensor:
+    """One forward pass through the same path timing uses (graph if captured), settled."""
+    if eng.cuda and cand.graphs is not None:
+        return call(settled, lambda: cand.graphs.run(state, batch))
+    return call(settled, lambda: cand.forward(state, batch))
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[str, float]:
+    """'bitwise', 'close' (max |diff| <= rel * max |ref|) or 'differ', and the max |diff|."""
+    if out.shape != ref.shape:
+        return "differ", float("inf")
+    if torch.equal(ref, out):
+        return "bitwise", 0.0
+    diff = (ref.float() - out.float()).abs().max().item()
+    if diff != diff:  # NaN
+        return "differ", float("nan")
+    return ("close" if diff <= rel * ref.float().abs().max().item() else "differ"), diff
+
+
+def fast(eng, cand) -> MeasureResult:
+    cfg, setup = eng.config, eng.fast_setup
+    ref = eng.candidates["reference"]
+    sides = {"ref": (ref, eng.candidate_state(ref, eng.fast_layers)),
+             "cand": (cand, eng.candidate_state(cand, eng.fast_layers))}
+    eng.state.load_cache(*setup.kv)
+    times = {s: {sh.name: [] for sh in setup.shapes} for s in sides}
+    for r in range(cfg.warmup_rounds + cfg.fast_rounds):
+        order = ("ref", "cand") if r % 2 == 0 else ("cand", "ref")
+        for side in order:
+            c, st = sides[side]
+            for sh in setup.shapes:
+                t = _time_steps(eng, c, st, sh, cfg.fast_iters)
+                if r >= cfg.warmup_rounds:
+                    times[side][sh.name].append(t)
+    res = MeasureResult(candidate_id=cand.id, tier="fast", ok=True, samples=cfg.fast_rounds,
+                        layers=list(eng.fast_layers), config=_config(eng))
+    tot = {s: [sum(times[s][sh.name][i] for sh in setup.shapes) for i in range(cfg.fast_rounds)] for s in sides}
+    med_ref, med_cand = statistics.median(tot["ref"]), statistics.median(tot["cand"])
+    tokens = sum(sh.size for sh in setup.shapes)
+    res.speedup = med_ref / med_cand
+    res.speedup_ci95 = bootstrap_ratio(tot["ref"], tot["cand"])
+    res.step_ms = med_cand / len(setup.shapes) * 1e3
+    res.reference_step_ms = med_ref / len(setup.shapes) * 1e3
+    res.tokens_per_s, res.reference_tokens_per_s = tokens / med_cand, tokens / med_ref
+    res.experts_active = setup.experts_active
+    for sh in setup.shapes:
+        c_t, r_t = times["cand"][sh.name], times["ref"][sh.name]
+        mc, mr = statistics.median(c_t), statistics.median(r_t)
+        res.shapes.append(ShapeTiming(shape=sh.name, batch=sh.size, context=max(sh.contexts), step_ms=mc * 1e3,
+                                      reference_step_ms=mr * 1e3, speedup=mr / mc, spread_ms=iqr(c_t) * 1e3,
+                                      tokens_per_s=sh.size / mc))
+    # the timed outputs, against the reference's from the same cache
+    worst = "bitwise"
+    for sh in setup.shapes:
+        outs = {}
+        for side in ("cand", "ref"):
+            eng.state.load_cache(*setup.kv)
+            out, viol = run_step(eng, sides[side][0], sides[side][1], sh.batch)
+            res.violations += viol
+            outs[side] = out
+        verdict, diff = compare(outs["ref"], outs["cand"])
+        if verdict == "differ":
+            res.violations.append(f"timed outputs differ from the reference's on {sh.name} "
+                                  f"(max abs diff {diff:.3g}): it computes something else when measured")
+        worst = max(worst, verdict, key=("bitwise", "close", "differ").index)
+    res.outputs_match = worst
+    _plausibility(eng, res, setup)
+    res.valid = not res.violations
+    eng.state.load_cache(*setup.kv)
+    return res
+
+
+def _plausibility(eng, res: MeasureResult, setup: FastSetup) -> None:
+    if res.speedup > eng.config.implausible_speedup:
+        res.violations.append(f"implausible speedup {res.speedup:.1f}x (above {eng.config.implausible_speedup:g}x)")
+    if eng.cuda:
+        floor = setup.step_bytes / BANDWIDTH_BYTES_S
+        for s in res.shapes:
+            if s.step_ms / 1e3 < 0.8 * floor:
+                res.violations.append(f"{s.shape}: {s.step_ms * 1e3:.1f} us is under the memory-bandwidth "
+                                      f"floor of {floor * 1e6:.1f} us for the weights it must read")
+
+
+def _config(eng) -> dict:
+    c = eng.config
+    return {"model": eng.model.name, "model_type": eng.model.model_type, "device": c.device, "dtype": c.dtype,
+            "traffic": c.traffic, "fast_layers": list(eng.fast_layers), "rounds": c.fast_rounds,
+            "iters": c.fast_iters, "warmup_rounds": c.warmup_rounds, "graphs": eng.cuda and c.capture_graphs}
+
+
+# ---- full tier -----------------------------------------------------------------------
+
+@dataclass
+class Op:
+    kind: str  # "prefill" (one request, T = prompt) or "decode" (one token per running row)
+    reqs: list[int]
+    batch: Batch
+    eligible_s: float = 0.0  # a prefill cannot start before its request arrives
+
+
+@dataclass
+class Schedule:
+    requests: list  # traffic.Request, capped
+    ops: list[Op] = field(default_factory=list)
+
+
+def _padded(eng, tokens: list[int], positions: list[int], slots: list[int]) -> Batch:
+    """A decode batch padded to the next captured size with rows on the padding slot."""
+    b = len(tokens)
+    if eng.cuda and eng.config.capture_graphs:
+        size = next(s for s in eng.graph_sizes if s >= b)
+        pad = size - b
+        tokens, positions, slots = tokens + [0] * pad, positions + [1] * pad, slots + [eng.pad_slot] * pad
+    t, p, s = (torch.tensor(x, device=eng.device) for x in (tokens, positions, slots))
+    return decode_batch(t, p, s)
+
+
+def build_schedule(eng) -> Schedule:
+    """Plan the replay with the reference's own timings (its first pass is the warm-up)."""
+    from engine_server.traffic import cap
+    cfg = eng.config
+    trace = cap(eng.traffic.trace, cfg.full_max_prompt, cfg.full_max_output, cfg.full_requests)
+    reqs = trace.requests
+    ids = [eng.traffic.tokens(r.prompt_len + r.output_len, i) for i, r in enumerate(reqs)]
+    ref = eng.candidates["reference"]
+    st = eng.candidate_state(ref)
+    sched = Schedule(reqs)
+    clock, queue, free = 0.0, list(range(len(reqs))), list(range(cfg.max_batch))
+    running: dict[int, list[int]] = {}  # slot -> [request, tokens generated]
+    arrival = lambda i: reqs[i].arrival_s / cfg.trace_speed  # noqa: E731
+
+    def run(op: Op) -> float:
+        if eng.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        _run_op(eng, ref, st, op)
+        if eng.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    while queue or running:
+        while queue and free and arrival(queue[0]) <= clock:
+            i, slot = queue.pop(0), free.pop(0)
+            P = reqs[i].prompt_len
+            op = Op("prefill", [i], prefill_batch(torch.tensor([ids[i][:P]], device=eng.device),
+                                                  torch.tensor([slot], device=eng.device)), arrival(i))
+            sched.ops.append(op)
+            clock = max(clock, op.eligible_s) + run(op)
+            running[slot] = [i, 1]
+            if reqs[i].output_len <= 1:
+                del running[slot]
+                free.append(slot)
+        if not running:
+            if queue:
+                clock = max(clock, arrival(queue[0]))
+            continue
+        slots = sorted(running)
+        rows = [(ids[running[s][0]][reqs[running[s][0]].prompt_len + running[s][1] - 1],
+                 reqs[running[s][0]].prompt_len + running[s][1] - 1, s) for s in slots]
+        op = Op("decode", [running[s][0] for s in slots], _padded(eng, *map(list, zip(*rows))))
+        sched.ops.append(op)
+        clock += run(op)
+        for s in slots:
+            running[s][1] += 1
+            if running[s][1] >= reqs[running[s][0]].output_len:
+                del running[s]
+                free.append(s)
+        free.sort()
+    return sched
+
+
+def _run_op(eng, cand, state, op: Op) -> torch.Tensor:
+    if op.kind == "decode" and cand.graphs is not None:
+        return call(cand.graphs.run, state, op.batch)
+    return call(cand.forward, state, op.batch)
+
+
+def _replay(eng, cand, sched: Schedule) -> tuple[list[float], list[torch.Tensor]]:
+    """Per-op seconds and greedy tokens of the real rows."""
+    st = eng.candidate_state(cand)
+    tokens = []
+    if eng.cuda:
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in sched.ops]
+        torch.cuda.synchronize()
+        for op, (a, b) in zip(sched.ops, evs):
+            a.record()
+            out = _run_op(eng, cand, st, op)
+            b.record()
+            tokens.append(out[:len(op.reqs)].argmax(-1))
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in evs], tokens
+    secs = []
+    for op in sched.ops:
+        t = time.perf_counter()
+        out = _run_op(eng, cand, st, op)
+        secs.append(time.perf_counter() - t)
+        tokens.append(out[:len(op.reqs)].argmax(-1))
+    return secs, tokens
+
+
+def user_metrics(sched: Schedule, secs: list[float], speed: float) -> dict:
+    """Virtual clock over the fixed schedule with one side's op times."""
+    reqs = sched.requests
+    first, finish, count = {}, {}, {}
+    clock = 0.0
+    for op, dt in zip(sched.ops, secs):
+        clock = max(clock, op.eligible_s) + dt
+        for i in op.reqs:
+            count[i] = count.get(i, 0) + 1
+            first.setdefault(i, clock)
+            finish[i] = clock
+    ttft = [first[i] - reqs[i].arrival_s / speed for i in first]
+    tps = [(count[i] - 1) / (finish[i] - first[i]) for i in first if count[i] > 1 and finish[i] > first[i]]
+    q = lambda xs, p: statistics.quantiles(xs, n=10)[int(p * 10) - 1] if len(xs) >= 2 else (xs[0] if xs else None)  # noqa: E731
+    return {"ttft_p50": q(ttft, 0.5), "ttft_p90": q(ttft, 0.9), "tps_p50": q(tps, 0.5), "tps_p90": q(tps, 0.9),
+            "throughput": sum(count.values()) / clock if clock > 0 else 0.0}
+
+
+def full(eng, cand) -> MeasureResult:
+    cfg = eng.config
+    if eng.replay_schedule is None:
+        eng.replay_schedule = build_schedule(eng)
+    sched = eng.replay_schedule
+    ref = eng.candidates["reference"]
+    runs = {"ref": [], "cand": []}
+    toks = {}
+    _replay(eng, cand, sched)  # the candidate's warm-up (the reference's was the schedule pass)
+    for r in range(cfg.full_reps):
+        for side in (("cand", "ref") if r % 2 == 0 else ("ref", "cand")):
+            secs, t = _replay(eng, cand if side == "cand" else ref, sched)
+            runs[side].append(secs)
+            toks.setdefault(side, t)
+    n = len(sched.ops)
+    med = {s: [statistics.median(run[k] for run in runs[s]) for k in range(n)] for s in runs}
+    res = MeasureResult(candidate_id=cand.id, tier="full", ok=True, samples=cfg.full_reps,
+                        layers=list(eng.state.layers), config=_config(eng) | {
+                            "requests": len(sched.requests), "ops": n, "reps": cfg.full_reps,
+                            "max_prompt": cfg.full_max_prompt, "max_output": cfg.full_max_output,
+                            "trace_speed": cfg.trace_speed})
+    res.speedup = sum(med["ref"]) / sum(med["cand"])
+    res.speedup_ci95 = bootstrap_ratio(med["ref"], med["cand"], stat=sum)
+    dec = [k for k, op in enumerate(sched.ops) if op.kind == "decode"]
+    dec_tokens = sum(len(sched.ops[k].reqs) for k in dec)
+    if dec:
+        res.step_ms = statistics.mean(med["cand"][k] for k in dec) * 1e3
+        res.reference_step_ms = statistics.mean(med["ref"][k] for k in dec) * 1e3
+        res.tokens_per_s = dec_tokens / sum(med["cand"][k] for k in dec)
+        res.reference_tokens_per_s = dec_tokens / sum(med["ref"][k] for k in dec)
+    mc, mr = user_metrics(sched, med["cand"], cfg.trace_speed), user_metrics(sched, med["ref"], cfg.trace_speed)
+    res.requests = len(sched.requests)
+    res.per_user_tps_p50, res.per_user_tps_p90 = mc["tps_p50"], mc["tps_p90"]
+    res.ttft_ms_p50 = mc["ttft_p50"] * 1e3 if mc["ttft_p50"] is not None else None
+    res.ttft_ms_p90 = mc["ttft_p90"] * 1e3 if mc["ttft_p90"] is not None else None
+    res.throughput_tps, res.reference_throughput_tps = mc["throughput"], mr["throughput"]
+    same = sum(bool(torch.equal(a, b)) for a, b in zip(toks["ref"], toks["cand"]))
+    res.tokens_match = same / max(1, n)
+    if res.tokens_match < 1.0:
+        res.outputs_match = "differ"
+        res.violations.append(f"greedy tokens differ from the reference's in {n - same} of {n} replay steps")
+    else:
+        res.outputs_match = "tokens"
+    res.experts_active = eng.fast_setup.experts_active
+    if res.speedup > cfg.implausible_speedup:
+        res.violations.append(f"implausible speedup {res.speedup:.1f}x")
+    res.valid = not res.violations
+    return res

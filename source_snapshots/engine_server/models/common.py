@@ -1,0 +1,94 @@
+"""Pieces the reference forward passes share: norms, RoPE, attention over the static cache.
+
+Everything here is plain PyTorch, written to be read. Candidates may import and call these
+for the parts they leave alone. Shapes: B rows, T query tokens per row, H query heads,
+KV key/value heads, D head dim, S = max_seq of the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine_server.config import ConfigError, ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF order: normalise in float32, cast back, then scale
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
+    if kind == "default":
+        return base
+    if kind == "linear":
+        return base / rs["factor"]
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / base
+        scaled = torch.where(wavelen > low_wavelen, base / factor, base)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ConfigError(f"unsupported rope_scaling type {kind!r}")
+
+
+def rope_tables(cfg: ModelConfig, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+    """cos/sin: [max_seq, D] in the model dtype (computed in float32 first, as HF does)."""
+    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq(cfg))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return {"rope_cos": emb.cos().to(dtype).to(device), "rope_sin": emb.sin().to(dtype).to(device)}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, D]; cos/sin: [B, T, D]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def write_kv(state, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None:
+    """Store this step's K/V in the batch's own cache cells. k, v: [B, KV, T, D]."""
+    rows = batch.slots[:, None]  # [B, 1] broadcasts against positions [B, T]
+    state.k_cache[layer][rows, :, batch.positions] = k.transpose(1, 2)  # cells: [B, T, KV, D]
+    state.v_cache[layer][rows, :, batch.positions] = v.transpose(1, 2)
+
+
+def attention(state, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch,
+              scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q over the row's cache slot, after writing k/v into it.
+
+    q: [B, H, T, D]; k, v: [B, KV, T, D] -> [B, T, H*D]. Reads the whole slot (static shape,
+    graph-capturable) and masks keys past each query's position, so whatever sits in the
+    unused cells (the exactness check fills them with noise) cannot change the result.
+    """
+    write_kv(state, layer, k, v, batch)
+    keys = state.k_cache[layer][batch.slots]  # [B, KV, S, D]
+    vals = state.v_cache[layer][batch.slots]
+    S = keys.shape[2]
+    mask = torch.arange(S, device=q.device)[None, None, :] <= batch.positions[:, :, None]  # [B,T,S]
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=keys.shape[1] != q.shape[1])
+    B, H, T, D = q.shape
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def lm_head_weight(state) -> torch.Tensor:
+    w = state.weights
+    return w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]

@@ -1,0 +1,81 @@
+"""Reference forward pass: Llama family (Llama 3.x, Qwen2/2.5, Mistral).
+
+GQA, RoPE (with llama3 scaling), RMSNorm, SwiGLU MLP, optional q/k/v bias (Qwen2),
+optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings. Weights use the
+Hugging Face tensor names. `forward(state, batch) -> logits [B, vocab]`.
+
+The MoE family (`moe.py`) reuses `attention_block` and `forward` with its own MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine_server.models.common import apply_rope, attention, lm_head_weight, rms_norm
+
+
+def expected_weights(cfg) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, as a HF checkpoint of this config holds them."""
+    D, H, KV, hd, I = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (KV * hd, D),
+            p + "self_attn.v_proj.weight": (KV * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (H * hd,), p + "self_attn.k_proj.bias": (KV * hd,),
+                       p + "self_attn.v_proj.bias": (KV * hd,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if not cfg.is_moe:
+            shapes |= {p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
+                       p + "mlp.down_proj.weight": (D, I)}
+    return shapes
+
+
+def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
+    """x: [B, T, D] (already normed) -> [B, T, D]."""
+    cfg, w, p = state.config, state.weights, f"model.layers.{layer}.self_attn."
+    B, T, _ = x.shape
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(B, T, H, hd)
+    k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(B, T, KV, hd)
+    v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(B, T, KV, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, w[p + "q_norm.weight"], cfg.norm_eps)
+        k = rms_norm(k, w[p + "k_norm.weight"], cfg.norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = attention(state, layer, q, k, v, batch)  # [B, T, H*hd]
+    return F.linear(o, w[p + "o_proj.weight"])
+
+
+def mlp(state, layer: int, x: torch.Tensor, batch) -> torch.Tensor:
+    w, p = state.weights, f"model.layers.{layer}.mlp."
+    return F.linear(F.silu(F.linear(x, w[p + "gate_proj.weight"])) * F.linear(x, w[p + "up_proj.weight"]),
+                    w[p + "down_proj.weight"])
+
+
+def forward(state, batch, mlp=mlp) -> torch.Tensor:
+    cfg, w = state.config, state.weights
+    x = F.embedding(batch.tokens, w["model.embed_tokens.weight"])  # [B, T, D]
+    cos = state.tables["rope_cos"][batch.positions]  # [B, T, hd]
+    sin = state.tables["rope_sin"][batch.positions]
+    for layer in state.layers:
+        p = f"model.layers.{layer}."
+        x = x + attention_block(state, layer, rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps),
+                                cos, sin, batch)
+        x = x + mlp(state, layer, rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), batch)
+    x = rms_norm(x[:, -1], w["model.norm.weight"], cfg.norm_eps)  # last position only: [B, D]
+    return F.linear(x, lm_head_weight(state))  # [B, vocab]
+
+
+def tables(cfg, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+    from engine_server.models.common import rope_tables
+    return rope_tables(cfg, max_seq, dtype, device)

@@ -1,0 +1,139 @@
+"""The engine in-process: installs, failures as results, rollback, exactness, both tiers."""
+import json
+
+import pytest
+import torch
+
+from engine_server.engine import Engine, EngineConfig
+from engine_server.selfcheck import perturbed_source, reference_source
+
+GOOD = "from engine_server.models import llama as ref\n\ndef forward(state, batch):\n    return ref.forward(state, batch)\n"
+
+BAD = {
+    "syntax": ("def forward(state, batch)\n    return 1\n", "parse", "SyntaxError"),
+    "import": ("import not_a_module_xyz\n", "import", "ModuleNotFoundError"),
+    "no_forward": ("x = 1\n", "validate", "TypeError"),
+    "signature": ("def forward(state):\n    return None\n", "validate", "TypeError"),
+    "prepare_signature": (GOOD + "def prepare():\n    pass\n", "validate", "TypeError"),
+    "raises": ("def forward(state, batch):\n    raise RuntimeError('boom')\n", "warmup", "RuntimeError"),
+    "wrong_shape": ("import torch\ndef forward(state, batch):\n    return torch.zeros(3)\n", "warmup", "ValueError"),
+    "exit": ("import sys\ndef forward(state, batch):\n    sys.exit(3)\n", "warmup", "RuntimeError"),
+    "oom": (GOOD + "import torch\ndef prepare(state):\n    state.scratch['x'] = torch.empty(1 << 60)\n",
+            "prepare", "RuntimeError"),
+    "over_budget": (GOOD + "import torch\ndef prepare(state):\n    state.scratch['x'] = torch.zeros(1 << 27)\n",
+                    "prepare", "MemoryError"),
+    "hang": ("def forward(state, batch):\n    while True:\n        pass\n", "warmup", "TimeoutError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_failures_are_results_and_the_next_candidate_installs(llama_engine, case):
+    source, stage, err = BAD[case]
+    llama_engine.config.call_timeout_s = 3 if case == "hang" else 20
+    r = llama_engine.submit_forward_pass(source, name=case)
+    llama_engine.config.call_timeout_s = 20
+    assert not r.ok
+    assert r.error.stage == stage, r.error
+    assert r.error.type == err, r.error
+    assert r.error.message
+    assert r.candidate_id not in llama_engine.candidates
+    good = llama_engine.submit_forward_pass(GOOD)
+    assert good.ok, good.error
+    assert llama_engine.check_bit_exact(good.candidate_id).exact
+    assert llama_engine.weights_loaded == 1  # never a weight reload
+
+
+def test_traceback_shows_candidate_lines(llama_engine):
+    r = llama_engine.submit_forward_pass("def forward(state, batch):\n    raise KeyError('the_missing_key')\n")
+    assert "the_missing_key" in r.error.traceback and "<candidate" in r.error.traceback
+
+
+def test_nan_logits_are_not_exact(llama_engine):
+    src = GOOD.replace("return ref.forward(state, batch)", "return ref.forward(state, batch) * float('nan')")
+    r = llama_engine.submit_forward_pass(src)
+    assert r.ok
+    ex = llama_engine.check_bit_exact(r.candidate_id)
+    assert not ex.exact and ex.first_mismatch is not None
+
+
+def test_perturbed_names_first_mismatch_and_tolerance_never_exact(llama_engine):
+    r = llama_engine.submit_forward_pass(perturbed_source(llama_engine, 1e-6))
+    ex = llama_engine.check_bit_exact(r.candidate_id)
+    assert not ex.exact and ex.first_mismatch.phase == "prefill" and 0 < ex.max_abs_diff < 1e-4
+    tol = llama_engine.check_bit_exact(r.candidate_id, mode="tolerance")
+    assert tol.close is True and tol.exact is False
+
+
+def test_rollback_and_remove(llama_engine):
+    r = llama_engine.submit_forward_pass(GOOD)
+    assert llama_engine.rollback(r.candidate_id)["active"] == r.candidate_id
+    assert llama_engine.rollback("reference")["active"] == "reference"
+    assert not llama_engine.rollback("nope")["ok"]
+    assert llama_engine.remove(r.candidate_id)["ok"]
+    assert not llama_engine.measure_fast(r.candidate_id).ok
+
+
+def test_fast_and_full_tier_results(llama_engine):
+    r = llama_engine.submit_forward_pass(reference_source(llama_engine))
+    fm = llama_engine.measure_fast(r.candidate_id)
+    assert fm.ok and fm.valid and fm.outputs_match == "bitwise"
+    assert fm.layers == list(llama_engine.fast_layers) and len(fm.layers) >= 1
+    assert fm.shapes and all(s.step_ms > 0 for s in fm.shapes)
+    assert fm.hardware.torch == torch.__version__
+    full = llama_engine.measure_full(r.candidate_id)
+    assert full.ok and full.valid and full.tokens_match == 1.0
+    assert full.requests == llama_engine.config.full_requests
+    for k in ("per_user_tps_p50", "per_user_tps_p90", "ttft_ms_p50", "ttft_ms_p90", "throughput_tps"):
+        assert getattr(full, k) is not None and getattr(full, k) > 0, k
+    assert full.speedup_ci95[0] <= full.speedup <= full.speedup_ci95[1]
+
+
+def test_slower_candidate_is_measured_slower(llama_engine):
+    slow = GOOD.replace("    return ref.forward(state, batch)",
+                        "    for _ in range(3):\n        out = ref.forward(state, batch)\n    return out")
+    r = llama_engine.submit_forward_pass(slow)
+    fm = llama_engine.measure_fast(r.candidate_id)
+    assert fm.valid and fm.speedup < 0.8, fm.speedup
+
+
+def test_prepare_scratch_is_counted_and_usable(llama_engine):
+    src = ("import torch\nfrom engine_server.models import llama as ref\n"
+           "def prepare(state):\n    state.scratch['ones'] = torch.ones(1000)\n"
+           "def forward(state, batch):\n    assert state.scratch['ones'].sum() == 1000\n"
+           "    return ref.forward(state, batch)\n")
+    r = llama_engine.submit_forward_pass(src)
+    assert r.ok and r.prepare_bytes >= 4000
+    assert llama_engine.check_bit_exact(r.candidate_id).exact
+
+
+def test_read_engine_source_stays_in_snapshot(llama_engine):
+    listing = llama_engine.read_engine_source()
+    assert listing["reference_forward"] == "engine_server/models/llama.py"
+    assert any(f["path"] == "engine_server/models/llama.py" for f in listing["files"])
+    text = llama_engine.read_engine_source("engine_server/models/llama.py", 1, 5)
+    assert text["ok"] and text["text"].lstrip().startswith("1")
+    for bad in ("../pyproject.toml", "/etc/passwd", "engine_server/../../README.md"):
+        assert not llama_engine.read_engine_source(bad)["ok"]
+
+
+def test_safetensors_directory_gives_same_logits(tmp_path):
+    from engine_server.weights import save_weights
+    mem = Engine(EngineConfig(model="qwen2.5-0.5b", shrink=True))
+    save_weights(mem.state.weights, mem.model, tmp_path / "m", max_shard_bytes=400_000)
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    disk = Engine(EngineConfig(model=str(tmp_path / "m")))
+    assert disk.weights_source == str(tmp_path / "m")
+    from engine_server.state import prefill_batch
+    toks = torch.tensor([mem.traffic.tokens(16, 0)])
+    a = mem.family.forward(mem.state, prefill_batch(toks, torch.tensor([0])))
+    b = disk.family.forward(disk.state, prefill_batch(toks, torch.tensor([0])))
+    assert torch.equal(a, b)
+
+
+def test_selfcheck_cli_prints_json_last(capsys):
+    from tkcc_mcp.cli import main
+    assert main(["engine", "selfcheck", "--model", "gpt2", "--shrink", "--device", "cpu"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads(last)
+    assert report["model_type"] == "gpt2" and report["exact_reference"] and not report["exact_perturbed"]
+    assert isinstance(report["speedup_fast"], float)
