@@ -217,10 +217,12 @@ class Ledger:
         return int(cur.lastrowid)
 
     def finish_call(self, call_id: int, ok: bool, result: Any = None,
-                    error: str | None = None) -> None:
+                    error: str | None = None, candidate_id: str | None = None) -> None:
+        """`candidate_id`, when given, fills in a candidate known only at the end (a submit)."""
         self._conn().execute(
-            "UPDATE calls SET finished_at = ?, ok = ?, result = ?, error = ? WHERE id = ?",
-            (time.time(), int(bool(ok)), _dumps(result), error, call_id))
+            "UPDATE calls SET finished_at = ?, ok = ?, result = ?, error = ?, "
+            "candidate_id = COALESCE(?, candidate_id) WHERE id = ?",
+            (time.time(), int(bool(ok)), _dumps(result), error, candidate_id, call_id))
 
     def record_event(self, kind: str, data: Any = None, candidate_id: str | None = None,
                      agent_id: str | None = None) -> int:

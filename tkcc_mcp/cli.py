@@ -33,6 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     sc = eng.add_parser("selfcheck", help="install the reference and a perturbed copy; check and measure both")
     add_dataclass_args(sc, EngineConfig)
 
+    st = eng.add_parser("start", help="run the engine server (foreground; SIGTERM stops it)")
+    add_dataclass_args(st, EngineConfig)
+    st.add_argument("--host", default="127.0.0.1", help="a loopback address")
+    st.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    st.add_argument("--home", default=None, help="state directory (default $TKCC_HOME or ~/.tkcc)")
+    st.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+
+    led = sub.add_parser("ledger", help="candidates, calls and events of an engine")
+    led.add_argument("action", choices=["list", "show", "export"])
+    led.add_argument("target", nargs="?", help="show: a candidate id")
+    led.add_argument("--home", default=None)
+    led.add_argument("--db", default=None, help="ledger file (default: $TKCC_HOME/ledger.db)")
+    led.add_argument("--format", choices=["json", "csv"], default="json")
+    led.add_argument("--table", choices=["calls", "candidates", "events"], default="calls")
+    led.add_argument("--agent", default=None)
+
     snap = sub.add_parser("snapshot", help="source snapshots agents read")
     snap.add_argument("action", choices=["regenerate", "check"])
 
@@ -41,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         from engine_server.selfcheck import run
         run(config_from(args, EngineConfig))
         return 0
+    if args.cmd == "engine" and args.engine_cmd == "start":
+        from engine_server.server import serve
+        serve(config_from(args, EngineConfig), host=args.host, port=args.port, home=args.home,
+              ready_file=args.ready_file)
+        return 0
+    if args.cmd == "ledger":
+        return ledger_command(args)
     if args.cmd == "snapshot":
         from engine_server import snapshot
         if args.action == "regenerate":
@@ -50,6 +73,39 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(stale) or "up to date")
         return 1 if stale else 0
     return 2
+
+
+def ledger_command(args) -> int:
+    import json as _json
+
+    from engine_server.client import state_dir
+    from engine_server.ledger import Ledger, format_table
+
+    db = args.db or state_dir(args.home) / "ledger.db"
+    led = Ledger(db)
+    if args.action == "list":
+        rows = led.candidates(agent_id=args.agent)
+        board = {r["candidate_id"]: r for r in led.leaderboard()}
+        for r in rows:
+            b = board.get(r["id"], {})
+            r["speedup"] = None if b.get("speedup") is None else round(b["speedup"], 4)
+            r["exact"] = b.get("exact")
+        print(format_table(rows, ["id", "name", "agent_id", "parent", "stage", "ok", "speedup", "exact"]))
+        return 0
+    if args.action == "show":
+        if not args.target:
+            print("tkcc ledger show: give a candidate id", file=sys.stderr)
+            return 2
+        c = led.candidate(args.target)
+        if c is None:
+            print(f"no candidate {args.target!r} in {db}", file=sys.stderr)
+            return 1
+        c["calls"] = led.calls(candidate_id=args.target)
+        c["events"] = led.events(candidate_id=args.target)
+        print(_json.dumps(c, indent=2, default=str))
+        return 0
+    led.export(args.format, args.table, sys.stdout)
+    return 0
 
 
 if __name__ == "__main__":

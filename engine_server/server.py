@@ -1,0 +1,401 @@
+"""The engine server: a supervisor in front of one worker process that owns the device.
+
+    tkcc engine start --model M [--shrink] [--device D] [--traffic FILE] [--port P]
+
+- HTTP+JSON on a loopback address only; `POST /rpc/<method>` with `Authorization: Bearer
+  <token>`, the token read from `$TKCC_HOME/engine.token` (mode 0600). Method names are the
+  tool names. `GET /health` needs no token and says only whether the engine is up.
+- Calls that use the device (submit, measure, check, rollback) are serialised on one lock;
+  the others (source, leaderboard, candidate source, traffic profile, info) are answered by
+  the supervisor from the snapshot and the ledger, concurrently.
+- Every call has a timeout. A worker that hangs past it, or dies (segfault, CUDA fault,
+  os._exit, out-of-memory kill), is restarted: the call returns a clear error, the restart
+  and its cost go into the ledger, and the next call works. Candidates installed before a
+  restart are reinstalled from the ledger when next used.
+- The ledger row of every call is written before its result is returned.
+- SIGTERM (or Ctrl-C) stops the worker and removes engine.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine_server import snapshot
+from engine_server.client import state_dir
+from engine_server.engine import SNAPSHOT_DIR, EngineConfig
+from engine_server.ledger import Ledger
+from engine_server.log import get_logger
+from engine_server.results import ErrorInfo, ExactResult, InstallResult, MeasureResult
+
+log = get_logger("server")
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+DEVICE_METHODS = {"submit_forward_pass", "measure_fast", "measure_full", "check_bit_exact", "rollback"}
+LOCAL_METHODS = {"read_engine_source", "leaderboard", "candidate_source", "traffic_profile", "info"}
+GRACE_S = 30.0  # the worker's own deadline fires first; this margin is for hangs it cannot end
+
+
+class WorkerFailure(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind  # "timeout" or "died"
+
+
+class Worker:
+    """A worker process and a reader thread that turns its stdout lines into a queue."""
+
+    def __init__(self, config: EngineConfig, log_path: Path):
+        self.config = config
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.lines: queue.Queue = queue.Queue()
+        self.info: dict = {}
+        self._id = 0
+
+    def start(self, timeout: float = 1800.0) -> float:
+        t0 = time.perf_counter()
+        self.lines = queue.Queue()
+        logf = open(self.log_path, "ab")
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine_server.worker", json.dumps(dataclasses.asdict(self.config))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True)
+        logf.close()
+        threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
+        first = self._wait(0, timeout, "start")
+        if not first.get("ok"):
+            self.kill()
+            raise RuntimeError(f"engine worker failed to start: {first.get('error')} (log: {self.log_path})")
+        self.info = first["result"]
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _read(proc, lines):
+        for line in proc.stdout:
+            try:
+                lines.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        lines.put(None)  # EOF: the worker is gone
+
+    def _wait(self, rid: int, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise WorkerFailure("timeout", f"{what} exceeded its timeout of {timeout:g} s; the worker was killed")
+            try:
+                msg = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if msg is None:
+                code = self.proc.wait()
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                raise WorkerFailure("died", f"the worker died ({how}) during {what}")
+            if msg.get("id") == rid:
+                return msg
+
+    def call(self, method: str, params: dict, timeout: float) -> dict:
+        self._id += 1
+        try:
+            self.proc.stdin.write((json.dumps({"id": self._id, "method": method, "params": params}) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the reader sees EOF and reports the death
+        return self._wait(self._id, timeout, method)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, home: Path, ledger_path: Path | None = None):
+        self.config = config
+        self.home = home
+        self.ledger = Ledger(ledger_path or home / "ledger.db")
+        self.worker = Worker(config, home / "worker.log")
+        self.device_lock = threading.Lock()
+        self.installed: set[str] = set()
+        self.restarts = 0
+        self.started_at = time.time()
+        startup = self.worker.start()
+        self.ledger.record_event("worker_start", {"seconds": round(startup, 3), "model": config.model,
+                                                  "device": config.device})
+        self.profile = self._device_call("traffic_profile", {}, 120)
+        log.info("worker ready", seconds=round(startup, 2), model=self.worker.info.get("model", {}).get("name"))
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def timeout_for(self, method: str) -> float:
+        return self.config.call_timeout_s + GRACE_S
+
+    def handle(self, method: str, params: dict, agent_id: str | None = None) -> dict:
+        if method not in DEVICE_METHODS | LOCAL_METHODS:
+            return {"ok": False, "error": f"unknown method {method!r}; methods: "
+                                          f"{sorted(DEVICE_METHODS | LOCAL_METHODS)}"}
+        cid = params.get("candidate_id")
+        logged = {k: v for k, v in params.items() if k != "source"}
+        call_id = self.ledger.start_call(method, cid, agent_id, logged)
+        try:
+            result = getattr(self, "_" + method)(agent_id=agent_id, **params)
+        except TypeError as e:
+            result = {"ok": False, "error": f"bad parameters for {method}: {e}"}
+        if isinstance(result, dict) and result.get("candidate_id") and not cid:
+            cid = result["candidate_id"]
+        self.ledger.finish_call(call_id, bool(result.get("ok")), result,
+                                error=_error_text(result), candidate_id=cid)
+        log.info("call", method=method, candidate=cid, agent=agent_id, ok=result.get("ok"))
+        return result
+
+    def _device_call(self, method: str, params: dict, timeout: float | None = None) -> dict:
+        """Run on the worker; a hang or death restarts it and raises WorkerFailure."""
+        try:
+            resp = self.worker.call(method, params, timeout or self.timeout_for(method))
+        except WorkerFailure as e:
+            self._restart(e, method, params.get("candidate_id"))
+            raise
+        if not resp.get("ok"):
+            return {"ok": False, "error": resp.get("error")}
+        return resp["result"]
+
+    def _restart(self, failure: WorkerFailure, method: str, cid: str | None) -> None:
+        self.worker.kill()
+        t0 = time.perf_counter()
+        self.worker.start()
+        cost = time.perf_counter() - t0
+        self.restarts += 1
+        self.installed.clear()
+        failure.restart_s = cost
+        self.ledger.record_event("worker_restart", {"reason": failure.kind, "message": str(failure),
+                                                    "method": method, "seconds": round(cost, 3),
+                                                    "restarts": self.restarts}, candidate_id=cid)
+        log.warning("worker restarted", reason=failure.kind, method=method, candidate=cid, seconds=round(cost, 2))
+
+    def _failed(self, model, failure: WorkerFailure, **fields) -> dict:
+        stage = "timeout" if failure.kind == "timeout" else "worker"
+        err = ErrorInfo(stage=stage, type="TimeoutError" if failure.kind == "timeout" else "WorkerDied",
+                        message=f"{failure}; restarted in {getattr(failure, 'restart_s', 0):.1f} s "
+                                f"(restart #{self.restarts}). The engine is ready for the next call.")
+        out = model(ok=False, error=err, **fields).model_dump(mode="json")
+        out["worker_restarted"] = True
+        out["restart_s"] = round(getattr(failure, "restart_s", 0.0), 3)
+        return out
+
+    def _ensure_installed(self, cid: str) -> dict | None:
+        """Reinstall a candidate the worker lost in a restart. None when it is there."""
+        if cid in self.installed or cid == "reference":
+            return None
+        row = self.ledger.candidate(cid)
+        if row is None:
+            return {"ok": False, "message": f"no candidate {cid!r}"}
+        if not row.get("ok"):
+            return {"ok": False, "message": f"candidate {cid!r} did not install ({row.get('stage')}): "
+                                            f"{row.get('error')}"}
+        r = self._device_call("submit_forward_pass", {"source": row["source"], "name": row.get("name"),
+                                                      "parent": row.get("parent"), "candidate_id": cid})
+        self.ledger.record_event("reinstall", {"ok": r.get("ok")}, candidate_id=cid)
+        if r.get("ok"):
+            self.installed.add(cid)
+            return None
+        return {"ok": False, "message": f"reinstall of {cid!r} failed: {_error_text(r)}"}
+
+    # -- device methods ---------------------------------------------------------------
+
+    def _submit_forward_pass(self, source: str, name: str | None = None, parent: str | None = None,
+                             agent_id: str | None = None) -> dict:
+        if not isinstance(source, str) or not source.strip():
+            return InstallResult(candidate_id="", ok=False, stage="none", error=ErrorInfo(
+                stage="parse", type="ValueError", message="source is empty")).model_dump(mode="json")
+        cid = self.ledger.next_candidate_id()
+        self.ledger.add_candidate(cid, source, name=name, parent=parent, agent_id=agent_id)
+        with self.device_lock:
+            try:
+                r = self._device_call("submit_forward_pass", {"source": source, "name": name, "parent": parent,
+                                                              "candidate_id": cid})
+            except WorkerFailure as f:
+                r = self._failed(InstallResult, f, candidate_id=cid, name=name, parent=parent, stage="none")
+        if r.get("ok"):
+            self.installed.add(cid)
+        self.ledger.update_candidate(cid, stage=r.get("stage"), ok=bool(r.get("ok")), error=_error_text(r))
+        return r
+
+    def _measured(self, method: str, model, candidate_id: str, extra: dict, **params) -> dict:
+        with self.device_lock:
+            try:
+                missing = self._ensure_installed(candidate_id)
+                if missing is not None:
+                    return model(candidate_id=candidate_id, ok=False, **extra, error=ErrorInfo(
+                        stage="lookup", type="KeyError", message=missing["message"])).model_dump(mode="json")
+                return self._device_call(method, {"candidate_id": candidate_id, **params})
+            except WorkerFailure as f:
+                return self._failed(model, f, candidate_id=candidate_id, **extra)
+
+    def _measure_fast(self, candidate_id: str, agent_id: str | None = None) -> dict:
+        return self._measured("measure_fast", MeasureResult, candidate_id, {"tier": "fast", "valid": False})
+
+    def _measure_full(self, candidate_id: str, agent_id: str | None = None) -> dict:
+        return self._measured("measure_full", MeasureResult, candidate_id, {"tier": "full", "valid": False})
+
+    def _check_bit_exact(self, candidate_id: str, mode: str = "bitwise", atol: float = 1e-2,
+                         rtol: float = 1e-2, agent_id: str | None = None) -> dict:
+        return self._measured("check_bit_exact", ExactResult, candidate_id, {},
+                              mode=mode, atol=atol, rtol=rtol)
+
+    def _rollback(self, candidate_id: str = "reference", agent_id: str | None = None) -> dict:
+        with self.device_lock:
+            try:
+                missing = self._ensure_installed(candidate_id)
+                if missing is not None:
+                    return missing
+                r = self._device_call("rollback", {"candidate_id": candidate_id})
+            except WorkerFailure as f:
+                return {"ok": False, "error": str(f), "worker_restarted": True}
+        self.ledger.record_event("rollback", {"active": r.get("active"), "ok": r.get("ok")},
+                                 candidate_id=candidate_id, agent_id=agent_id)
+        return r
+
+    # -- local methods ----------------------------------------------------------------
+
+    def _read_engine_source(self, path: str | None = None, start_line: int | None = None,
+                            end_line: int | None = None, agent_id: str | None = None) -> dict:
+        return snapshot.read(SNAPSHOT_DIR, path, start_line, end_line,
+                             reference=self.worker.info.get("family_source"))
+
+    def _leaderboard(self, tier: str = "fast", limit: int = 20, agent_id: str | None = None) -> dict:
+        metric = "measure_full" if tier == "full" else "measure_fast"
+        rows = self.ledger.leaderboard(metric)[:limit]
+        return {"ok": True, "tier": tier, "rows": rows}
+
+    def _candidate_source(self, candidate_id: str, agent_id: str | None = None) -> dict:
+        row = self.ledger.candidate(candidate_id)
+        if row is None:
+            return {"ok": False, "error": f"no candidate {candidate_id!r}"}
+        return {"ok": True, "candidate_id": candidate_id, "name": row.get("name"), "parent": row.get("parent"),
+                "agent_id": row.get("agent_id"), "stage": row.get("stage"), "source": row["source"]}
+
+    def _traffic_profile(self, agent_id: str | None = None) -> dict:
+        return {"ok": True, **self.profile}
+
+    def _info(self, agent_id: str | None = None) -> dict:
+        return {"ok": True, "pid": os.getpid(), "worker_pid": self.worker.proc.pid, "restarts": self.restarts,
+                "uptime_s": round(time.time() - self.started_at, 1), "engine": self.worker.info,
+                "ledger": str(self.ledger.path)}
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+def _error_text(result: dict) -> str | None:
+    err = result.get("error") if isinstance(result, dict) else None
+    if isinstance(err, dict):
+        return f"{err.get('stage')}: {err.get('type')}: {err.get('message')}"
+    return err
+
+
+# ---- HTTP ------------------------------------------------------------------------------
+
+def make_app(sup: Supervisor, token: str):
+    import hmac
+
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def rpc(request: Request):
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
+            return JSONResponse({"error": "missing or wrong token"}, status_code=401)
+        try:
+            params = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
+        if not isinstance(params, dict):
+            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
+        agent = request.headers.get("x-agent-id") or params.pop("agent_id", None)
+        params.pop("agent_id", None)
+        method = request.path_params["method"]
+        result = await anyio.to_thread.run_sync(sup.handle, method, params, agent, abandon_on_cancel=True)
+        return JSONResponse(result)
+
+    async def health(request: Request):
+        return JSONResponse({"ok": True, "model": sup.config.model, "device": sup.config.device,
+                             "restarts": sup.restarts})
+
+    return Starlette(routes=[Route("/rpc/{method}", rpc, methods=["POST"]), Route("/health", health)])
+
+
+def check_loopback(host: str) -> None:
+    if host not in LOOPBACK:
+        raise ValueError(f"refusing to bind {host!r}: the engine listens on loopback only ({', '.join(LOOPBACK)})")
+
+
+def write_token(path: Path) -> str:
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, home: str | Path | None = None,
+          ready_file: Path | None = None) -> None:
+    """Run the engine server in the foreground until SIGTERM/SIGINT."""
+    import anyio
+    import uvicorn
+
+    check_loopback(host)
+    home = state_dir(home)
+    token = write_token(home / "engine.token")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    sup = Supervisor(config, home)
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    info = {"url": url, "pid": os.getpid(), "token_file": str(home / "engine.token"), "model": config.model,
+            "shrink": config.shrink, "device": config.device, "ledger": str(sup.ledger.path),
+            "started": time.time()}
+    (home / "engine.json").write_text(json.dumps(info, indent=2))
+    if ready_file:
+        Path(ready_file).write_text(json.dumps(info))
+    print(f"tkcc engine on {url} (model {config.model}, device {config.device}); token in {info['token_file']}",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(make_app(sup, token), log_level="warning", lifespan="off"))
+    try:
+        anyio.run(lambda: server.serve(sockets=[sock]))
+    finally:
+        sup.close()
+        try:
+            if json.loads((home / "engine.json").read_text()).get("pid") == os.getpid():
+                (home / "engine.json").unlink()
+        except (OSError, ValueError):
+            pass
+        log.info("engine stopped")

@@ -1,0 +1,57 @@
+"""The engine worker: the one process that owns the device.
+
+Started by the supervisor (`server.py`) as `python -m engine_server.worker CONFIG_JSON`.
+Protocol on its stdin/stdout, one JSON object a line:
+    supervisor -> worker  {"id": n, "method": "measure_fast", "params": {...}}
+    worker -> supervisor  {"id": n, "ok": true, "result": {...}}   (or "ok": false, "error": "...")
+The first line the worker writes is {"id": 0, "ok": true, "result": {"ready": ...info}}.
+Methods resolve to `Engine` methods of the same name; tensors never cross the pipe.
+stdout carries only protocol lines: anything a candidate prints goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+METHODS = {"submit_forward_pass", "measure_fast", "measure_full", "check_bit_exact", "rollback", "remove",
+           "candidate_source", "traffic_profile", "info", "read_engine_source"}
+
+
+def _dump(obj) -> dict:
+    return obj.model_dump(mode="json") if hasattr(obj, "model_dump") else obj
+
+
+def main(argv: list[str]) -> int:
+    # keep the protocol channel to ourselves: fd 1 now points at stderr for everyone else
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from engine_server.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(**json.loads(argv[0]))
+    try:
+        eng = Engine(cfg)
+    except Exception as e:  # noqa: BLE001 - reported to the supervisor, which gives up
+        proto.write(json.dumps({"id": 0, "ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
+        return 1
+    proto.write(json.dumps({"id": 0, "ok": True, "result": {"ready": True, **eng.info()}}, default=str) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        method, params = req.get("method"), req.get("params") or {}
+        if method not in METHODS:
+            resp = {"id": req.get("id"), "ok": False, "error": f"unknown method {method!r}"}
+        else:
+            try:
+                resp = {"id": req.get("id"), "ok": True, "result": _dump(getattr(eng, method)(**params))}
+            except TypeError as e:  # bad parameters from the caller
+                resp = {"id": req.get("id"), "ok": False, "error": f"bad parameters for {method}: {e}"}
+        proto.write(json.dumps(resp, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
