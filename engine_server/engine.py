@@ -70,7 +70,8 @@ class EngineConfig:
     exact_max_prompt: int = 0  # CPU 48, CUDA 512
     noise_scale: float = 100.0  # unused KV cells hold N(0, noise_scale) in exactness checks
     prepare_budget_mb: float = 0.0  # default: the weights' size + 256 MiB
-    call_timeout_s: float = 600.0  # per call, in-process (the server adds its own)
+    call_timeout_s: float = 600.0  # per call, in-process: ends Python-level hangs without a restart
+    worker_grace_s: float = 30.0  # the server kills the worker at call_timeout_s + this
     implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
     capture_graphs: bool = True
 

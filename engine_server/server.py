@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,7 +44,6 @@ log = get_logger("server")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 DEVICE_METHODS = {"submit_forward_pass", "measure_fast", "measure_full", "check_bit_exact", "rollback"}
 LOCAL_METHODS = {"read_engine_source", "leaderboard", "candidate_source", "traffic_profile", "info"}
-GRACE_S = 30.0  # the worker's own deadline fires first; this margin is for hangs it cannot end
 
 
 class WorkerFailure(Exception):
@@ -152,7 +152,8 @@ class Supervisor:
     # -- dispatch ---------------------------------------------------------------------
 
     def timeout_for(self, method: str) -> float:
-        return self.config.call_timeout_s + GRACE_S
+        # the worker's own deadline fires first; the grace is for hangs it cannot end
+        return self.config.call_timeout_s + self.config.worker_grace_s
 
     def handle(self, method: str, params: dict, agent_id: str | None = None) -> dict:
         if method not in DEVICE_METHODS | LOCAL_METHODS:
@@ -377,6 +378,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, home: st
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)  # connections queue from now on, so engine.json never names a refusing port
     port = sock.getsockname()[1]
     sup = Supervisor(config, home)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -389,6 +391,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, home: st
     print(f"tkcc engine on {url} (model {config.model}, device {config.device}); token in {info['token_file']}",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(make_app(sup, token), log_level="warning", lifespan="off"))
+    # our own handlers: a graceful stop that exits 0 (uvicorn's re-raise the signal after shutdown)
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     try:
         anyio.run(lambda: server.serve(sockets=[sock]))
     finally:

@@ -1,0 +1,137 @@
+"""The engine server as a user runs it: `tkcc engine start` in its own process."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine_server.client import EngineClient, EngineUnavailable
+from engine_server.ledger import Ledger
+from engine_server.server import check_loopback
+
+REF = "from engine_server.models import llama as ref\n\ndef forward(state, batch):\n    return ref.forward(state, batch)\n"
+STUCK = ("import signal\nfrom engine_server.models import llama as ref\n"
+         "def forward(state, batch):\n    if batch.seq_len == 1:\n"
+         "        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n        while True:\n            pass\n"
+         "    return ref.forward(state, batch)\n")
+
+
+def start_engine(home, *extra):
+    ready = home / "ready.json"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tkcc_mcp.cli", "engine", "start", "--model", "llama-3.2-1b",
+                             "--shrink", "--device", "cpu", "--home", str(home), "--ready-file", str(ready),
+                             "--call-timeout-s", "10", "--worker-grace-s", "3", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    info = json.loads(ready.read_text())
+    return proc, info
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    proc, info = start_engine(home)
+    yield home, proc, info
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_token_file_is_private_and_required(engine):
+    home, _, info = engine
+    assert oct(os.stat(info["token_file"]).st_mode & 0o777) == "0o600"
+    assert info["url"].startswith("http://127.0.0.1:")
+    r = httpx.post(info["url"] + "/rpc/info", json={})
+    assert r.status_code == 401
+    with pytest.raises(EngineUnavailable):
+        EngineClient(info["url"], "wrong").call("info")
+    assert EngineClient.from_url(info["url"], info["token_file"]).call("info")["ok"]
+
+
+def test_only_loopback_is_bound():
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_loopback(host)
+    for host in ("0.0.0.0", "192.168.1.10", "::"):
+        with pytest.raises(ValueError):
+            check_loopback(host)
+
+
+def test_hang_past_the_deadline_restarts_the_worker(engine):
+    home, _, info = engine
+    c = EngineClient.from_url(info["url"], info["token_file"], agent_id="t")
+    good = c.call("submit_forward_pass", source=REF, name="good")
+    assert good["ok"]
+    t = time.time()
+    r = c.call("submit_forward_pass", source=STUCK, name="stuck")
+    assert not r["ok"] and r["error"]["stage"] == "timeout" and r["worker_restarted"]
+    assert time.time() - t < 60
+    # the next call works, and the candidate from before the restart is reinstalled from the ledger
+    m = c.call("measure_fast", candidate_id=good["candidate_id"])
+    assert m["ok"] and m["valid"]
+    assert c.call("info")["restarts"] == 1
+    led = Ledger(home / "ledger.db")
+    assert [e["kind"] for e in led.events()].count("worker_restart") == 1
+    assert any(e["kind"] == "reinstall" for e in led.events())
+
+
+def test_concurrent_reads_while_measuring(engine):
+    home, _, info = engine
+    c = EngineClient.from_url(info["url"], info["token_file"])
+    cid = c.call("submit_forward_pass", source=REF)["candidate_id"]
+    import threading
+    out = {}
+    th = threading.Thread(target=lambda: out.update(m=c.call("measure_full", candidate_id=cid)))
+    th.start()
+    time.sleep(0.3)
+    t = time.time()
+    src = c.call("read_engine_source", path="engine_server/models/llama.py", start_line=1, end_line=3)
+    board = c.call("leaderboard")
+    fast_read = time.time() - t
+    th.join()
+    assert src["ok"] and board["ok"] and out["m"]["ok"]
+    assert fast_read < 1.0  # not queued behind the measurement
+
+
+def test_kill_9_keeps_the_ledger_and_sigterm_is_clean(tmp_path):
+    proc, info = start_engine(tmp_path)
+    c = EngineClient.from_url(info["url"], info["token_file"], agent_id="k")
+    cid = c.call("submit_forward_pass", source=REF)["candidate_id"]
+    c.call("check_bit_exact", candidate_id=cid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    db = sqlite3.connect(tmp_path / "ledger.db")
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    methods = [m for (m,) in db.execute("SELECT method FROM calls WHERE candidate_id = ? ORDER BY id", (cid,))]
+    assert methods == ["submit_forward_pass", "check_bit_exact"]
+    # a new engine on the same home continues the same ledger; SIGTERM stops it cleanly
+    proc, info = start_engine(tmp_path)
+    c = EngineClient.from_url(info["url"], info["token_file"])
+    assert c.call("measure_fast", candidate_id=cid)["ok"]  # reinstalled from the ledger
+    assert c.call("submit_forward_pass", source=REF)["candidate_id"] != cid
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not (tmp_path / "engine.json").exists()
+
+
+def test_ledger_cli(engine):
+    home, _, info = engine
+    env = os.environ | {"TKCC_HOME": str(home)}
+    out = subprocess.run([sys.executable, "-m", "tkcc_mcp.cli", "ledger", "list"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert "c0001" in out
+    show = json.loads(subprocess.run([sys.executable, "-m", "tkcc_mcp.cli", "ledger", "show", "c0001"], env=env,
+                                     capture_output=True, text=True, check=True).stdout)
+    assert show["source"] and show["calls"]
+    csv_out = subprocess.run([sys.executable, "-m", "tkcc_mcp.cli", "ledger", "export", "--format", "csv",
+                              "--table", "candidates"], env=env, capture_output=True, text=True, check=True).stdout
+    assert csv_out.splitlines()[0].startswith("id,")
