@@ -1,0 +1,47 @@
+"""GPU tests: run on the H200 with `python -m pytest -m gpu tests/test_gpu.py`."""
+import pytest
+import torch
+
+from conftest import CHEATERS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def cuda_engine():
+    from engine_server.engine import Engine, EngineConfig
+    return Engine(EngineConfig(model="llama-3.2-1b", shrink=True, device="cuda", call_timeout_s=60))
+
+
+def test_reference_copy_is_exact_under_graphs(cuda_engine):
+    from engine_server.selfcheck import perturbed_source, reference_source
+    r = cuda_engine.submit_forward_pass(reference_source(cuda_engine))
+    assert r.ok and r.graphs, r
+    ex = cuda_engine.check_bit_exact(r.candidate_id)
+    assert ex.exact, ex
+    fm = cuda_engine.measure_fast(r.candidate_id)
+    assert fm.valid and fm.speedup_ci95[0] <= 1.0 <= fm.speedup_ci95[1] or abs(fm.speedup - 1) < 0.05, fm
+    full = cuda_engine.measure_full(r.candidate_id)
+    assert full.valid and full.tokens_match == 1.0
+    p = cuda_engine.submit_forward_pass(perturbed_source(cuda_engine))
+    assert not cuda_engine.check_bit_exact(p.candidate_id).exact
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CHEATERS.glob("*.py")))
+def test_cheaters_caught_on_cuda(cuda_engine, name):
+    r = cuda_engine.submit_forward_pass((CHEATERS / f"{name}.py").read_text())
+    if not r.ok:
+        return
+    ex = cuda_engine.check_bit_exact(r.candidate_id)
+    fm = cuda_engine.measure_fast(r.candidate_id)
+    assert not (ex.exact and fm.valid), (name, ex, fm)
+
+
+def test_moe_reference_runs_eagerly_and_is_exact():
+    from engine_server.engine import Engine, EngineConfig
+    from engine_server.selfcheck import reference_source
+    eng = Engine(EngineConfig(model="qwen3-30b-a3b", shrink=True, device="cuda"))
+    r = eng.submit_forward_pass(reference_source(eng))
+    assert r.ok
+    assert eng.check_bit_exact(r.candidate_id).exact
+    assert eng.measure_fast(r.candidate_id).experts_active > 0
