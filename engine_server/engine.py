@@ -287,7 +287,7 @@ class Engine:
     def _capture(self, cand: cands.Candidate) -> None:
         graphs = StepGraphs(cand.forward, self.inputs, self.pool)
         sizes = {(self.state.layers, b) for b in self.graph_sizes}
-        sizes |= {(self.fast_layers, s.batch) for s in self.fast_setup.shapes}
+        sizes |= {(self.fast_layers, s.size) for s in self.fast_setup.shapes}
         for b, static in self.inputs.batches.items():  # padding-slot inputs: captures write there only
             static.slots.fill_(self.pad_slot)
             static.positions.fill_(1)

@@ -52,6 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     snap = sub.add_parser("snapshot", help="source snapshots agents read")
     snap.add_argument("action", choices=["regenerate", "check"])
 
+    mc = sub.add_parser("mcp", help="MCP server: the engine as tools for one agent (stdio by default)",
+                        description="Without --engine: attach to the engine in $TKCC_HOME/engine.json if it "
+                                    "is healthy, else start one (detached, log in $TKCC_HOME/engine.log).")
+    mc.add_argument("--engine", metavar="URL", default=None, help="attach to this running engine")
+    mc.add_argument("--token-file", default=None, help="the engine's token (default: $TKCC_HOME/engine.token)")
+    mc.add_argument("--home", default=None, help="state directory (default $TKCC_HOME or ~/.tkcc)")
+    mc.add_argument("--agent-id", default=None, help="recorded with every call (default: mcp-<pid>)")
+    mc.add_argument("--http", type=int, metavar="PORT", default=None,
+                    help="serve streamable HTTP on http://127.0.0.1:PORT/mcp instead of stdio")
+    mc.add_argument("--host", default="127.0.0.1", help="with --http: a loopback address only")
+    mc.add_argument("--model", default="llama-3.2-1b", help="for an engine this starts")
+    mc.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=None,
+                    help="for an engine this starts (default: on for presets on the CPU, off on CUDA)")
+    mc.add_argument("--device", default=None, help="for an engine this starts (default: cuda if available)")
+    mc.add_argument("--start-timeout-s", type=float, default=900.0, help="wait this long for it to start")
+
     args = p.parse_args(argv)
     if args.cmd == "engine" and args.engine_cmd == "selfcheck":
         from engine_server.selfcheck import run
@@ -62,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         serve(config_from(args, EngineConfig), host=args.host, port=args.port, home=args.home,
               ready_file=args.ready_file)
         return 0
+    if args.cmd == "mcp":
+        from tkcc_mcp.server import run as run_mcp
+        return run_mcp(engine=args.engine, token_file=args.token_file, home=args.home, agent_id=args.agent_id,
+                       http=args.http, host=args.host, model=args.model, shrink=args.shrink,
+                       device=args.device, start_timeout_s=args.start_timeout_s)
     if args.cmd == "ledger":
         return ledger_command(args)
     if args.cmd == "snapshot":
