@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_server.config import ConfigError
-from engine_server.models.common import attention
+from engine_server.models.common import attention, causal_mask
 
 # cfg.hidden_act -> activation; HF's "gelu_new" and "gelu_pytorch_tanh" are both the tanh form
 ACTIVATIONS = {
@@ -68,8 +68,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def attention_block(state, layer: int, x: torch.Tensor, batch) -> torch.Tensor:
-    """x: [B, T, D] (already normed) -> [B, T, D]."""
+def attention_block(state, layer: int, x: torch.Tensor, batch, mask=None) -> torch.Tensor:
+    """x: [B, T, D] (already normed) -> [B, T, D]. mask: common.causal_mask(state, batch)."""
     cfg, w, p = state.config, state.weights, f"transformer.h.{layer}.attn."
     B, T, D = x.shape
     H, hd = cfg.num_heads, cfg.head_dim
@@ -78,7 +78,7 @@ def attention_block(state, layer: int, x: torch.Tensor, batch) -> torch.Tensor:
     q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
     k = k.view(B, T, H, hd).transpose(1, 2)
     v = v.view(B, T, H, hd).transpose(1, 2)
-    o = attention(state, layer, q, k, v, batch)  # [B, T, D]; scale 1/sqrt(hd), as GPT-2
+    o = attention(state, layer, q, k, v, batch, mask=mask)  # [B, T, D]; scale 1/sqrt(hd), as GPT-2
     return conv1d(o, w[p + "c_proj.weight"], w[p + "c_proj.bias"])
 
 
@@ -92,10 +92,11 @@ def forward(state, batch, mlp=mlp) -> torch.Tensor:
     cfg, w, eps = state.config, state.weights, state.config.norm_eps
     x = (F.embedding(batch.tokens, w["transformer.wte.weight"])  # [B, T, D]
          + F.embedding(batch.positions, w["transformer.wpe.weight"]))  # learned absolute positions
+    mask = causal_mask(state, batch)  # once per forward, shared by the layers
     for layer in state.layers:
         p = f"transformer.h.{layer}."
         x = x + attention_block(state, layer, layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps),
-                                batch)
+                                batch, mask)
         x = x + mlp(state, layer, layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps), batch)
     x = layer_norm(x[:, -1], w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)  # last position: [B, D]
     return F.linear(x, w["transformer.wte.weight"])  # tied head: [B, vocab]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine_server.models.common import apply_rope, attention, lm_head_weight, rms_norm
+from engine_server.models.common import apply_rope, attention, causal_mask, lm_head_weight, rms_norm
 
 
 def expected_weights(cfg) -> dict[str, tuple[int, ...]]:
@@ -39,8 +39,8 @@ def expected_weights(cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-    """x: [B, T, D] (already normed) -> [B, T, D]."""
+def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch, mask=None) -> torch.Tensor:
+    """x: [B, T, D] (already normed) -> [B, T, D]. mask: causal_mask(state, batch)."""
     cfg, w, p = state.config, state.weights, f"model.layers.{layer}.self_attn."
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -52,7 +52,7 @@ def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch) -> torc
         k = rms_norm(k, w[p + "k_norm.weight"], cfg.norm_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = attention(state, layer, q, k, v, batch)  # [B, T, H*hd]
+    o = attention(state, layer, q, k, v, batch, mask=mask)  # [B, T, H*hd]
     return F.linear(o, w[p + "o_proj.weight"])
 
 
@@ -67,10 +67,11 @@ def forward(state, batch, mlp=mlp) -> torch.Tensor:
     x = F.embedding(batch.tokens, w["model.embed_tokens.weight"])  # [B, T, D]
     cos = state.tables["rope_cos"][batch.positions]  # [B, T, hd]
     sin = state.tables["rope_sin"][batch.positions]
+    mask = causal_mask(state, batch)  # once per forward, shared by the layers
     for layer in state.layers:
         p = f"model.layers.{layer}."
         x = x + attention_block(state, layer, rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_eps),
-                                cos, sin, batch)
+                                cos, sin, batch, mask)
         x = x + mlp(state, layer, rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.norm_eps), batch)
     x = rms_norm(x[:, -1], w["model.norm.weight"], cfg.norm_eps)  # last position only: [B, D]
     return F.linear(x, lm_head_weight(state))  # [B, vocab]

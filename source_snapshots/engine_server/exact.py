@@ -25,11 +25,12 @@ from engine_server.state import decode_batch, prefill_batch
 
 
 def _noise(eng, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """The whole cache filled with N(0, noise_scale), drawn on the device (same seed, same noise)."""
+    g = torch.Generator(device=eng.device).manual_seed(seed)
     scale = eng.config.noise_scale
 
     def fill(ts):
-        return [(torch.randn(t.shape, generator=g) * scale).to(t.dtype).to(t.device) for t in ts]
+        return [(torch.randn(t.shape, generator=g, device=t.device) * scale).to(t.dtype) for t in ts]
     return fill(eng.state.k_cache), fill(eng.state.v_cache)
 
 

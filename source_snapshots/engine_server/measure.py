@@ -62,7 +62,7 @@ def iqr(xs: list[float]) -> float:
 
 def bootstrap_ratio(num: list[float], den: list[float], stat=statistics.median, n: int = 2000,
                     seed: int = 0) -> tuple[float, float]:
-    """95% interval of stat(num)/stat(den), resampling the paired indices."""
+    """95% interval of stat(num)/stat(den), resampling the paired indices (full tier: ops)."""
     rng = random.Random(seed)
     k = len(num)
     vals = []
@@ -71,6 +71,13 @@ def bootstrap_ratio(num: list[float], den: list[float], stat=statistics.median, 
         d = stat([den[i] for i in idx])
         vals.append(stat([num[i] for i in idx]) / d if d > 0 else float("inf"))
     vals.sort()
+    return vals[int(0.025 * n)], vals[min(n - 1, int(0.975 * n))]
+
+
+def bootstrap_median(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of xs."""
+    rng = random.Random(seed)
+    vals = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
     return vals[int(0.025 * n)], vals[min(n - 1, int(0.975 * n))]
 
 
@@ -140,7 +147,7 @@ def _experts_active(eng, shapes: list[Shape]) -> float:
         b = s.batch.clone()
         b.expert_log = []
         eng.family.forward(eng.state, b)
-        vals.append(experts_active(b.expert_log)["per_layer_mean"])
+        vals.append(experts_active(b.expert_log)["mean_per_layer"])
     return round(statistics.mean(vals), 3)
 
 
@@ -204,8 +211,10 @@ def fast(eng, cand) -> MeasureResult:
     tot = {s: [sum(times[s][sh.name][i] for sh in setup.shapes) for i in range(cfg.fast_rounds)] for s in sides}
     med_ref, med_cand = statistics.median(tot["ref"]), statistics.median(tot["cand"])
     tokens = sum(sh.size for sh in setup.shapes)
-    res.speedup = med_ref / med_cand
-    res.speedup_ci95 = bootstrap_ratio(tot["ref"], tot["cand"])
+    # paired per round: drift of the machine between rounds cancels in each ratio
+    ratios = [a / b for a, b in zip(tot["ref"], tot["cand"])]
+    res.speedup = statistics.median(ratios)
+    res.speedup_ci95 = bootstrap_median(ratios)
     res.step_ms = med_cand / len(setup.shapes) * 1e3
     res.reference_step_ms = med_ref / len(setup.shapes) * 1e3
     res.tokens_per_s, res.reference_tokens_per_s = tokens / med_cand, tokens / med_ref

@@ -16,11 +16,9 @@ from engine_server.config import ConfigError, ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF order: normalise in float32, cast back, then scale
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # one fused kernel on CUDA, accumulating in float32 (HF scales after rounding to the
+    # input dtype; this rounds once, at the end)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,23 +68,39 @@ def write_kv(state, layer: int, k: torch.Tensor, v: torch.Tensor, batch) -> None
     state.v_cache[layer][rows, :, batch.positions] = v.transpose(1, 2)
 
 
+def causal_mask(state, batch) -> torch.Tensor:
+    """[B, 1, T, S] bool: query t of row b may see cache position s <= positions[b, t]."""
+    S = state.max_seq
+    return (torch.arange(S, device=batch.positions.device)[None, None, :] <= batch.positions[:, :, None])[:, None]
+
+
 def attention(state, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q over the row's cache slot, after writing k/v into it.
 
     q: [B, H, T, D]; k, v: [B, KV, T, D] -> [B, T, H*D]. Reads the whole slot (static shape,
     graph-capturable) and masks keys past each query's position, so whatever sits in the
     unused cells (the exactness check fills them with noise) cannot change the result.
+    `mask` is causal_mask(state, batch), computed once per forward by the caller.
+
+    Written out as HF's eager attention (bf16 matmuls, float32 softmax) rather than a fused
+    kernel: it is deterministic, and the G query heads of a group share their KV head
+    without copying it (GQA).
     """
     write_kv(state, layer, k, v, batch)
-    keys = state.k_cache[layer][batch.slots]  # [B, KV, S, D]
-    vals = state.v_cache[layer][batch.slots]
-    S = keys.shape[2]
-    mask = torch.arange(S, device=q.device)[None, None, :] <= batch.positions[:, :, None]  # [B,T,S]
-    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=keys.shape[1] != q.shape[1])
+    keys = state.k_cache[layer].index_select(0, batch.slots)  # [B, KV, S, D]
+    vals = state.v_cache[layer].index_select(0, batch.slots)
+    if mask is None:
+        mask = causal_mask(state, batch)
     B, H, T, D = q.shape
-    return out.transpose(1, 2).reshape(B, T, H * D)
+    KV, S = keys.shape[1], keys.shape[2]
+    G = H // KV
+    qg = q.reshape(B, KV, G * T, D)  # query head h = kv * G + g uses kv head h // G
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * (scale if scale is not None else D ** -0.5)
+    scores = scores.view(B, KV, G, T, S).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(B, KV, G * T, S)
+    out = torch.matmul(probs, vals)  # [B, KV, G*T, D]
+    return out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
 
 
 def lm_head_weight(state) -> torch.Tensor:
