@@ -74,6 +74,7 @@ class EngineConfig:
     worker_grace_s: float = 30.0  # the server kills the worker at call_timeout_s + this
     implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
     capture_graphs: bool = True
+    cpu_threads: int = 1  # torch threads on the CPU (0: torch's default); tiny models gain nothing from more
 
     def resolved(self) -> "EngineConfig":
         cuda = self.device.startswith("cuda")
@@ -93,6 +94,8 @@ class Engine:
         t0 = time.perf_counter()
         self.config = cfg = (config or EngineConfig()).resolved()
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and cfg.cpu_threads > 0:
+            torch.set_num_threads(cfg.cpu_threads)
         self.dtype = parse_dtype(cfg.dtype)
         mcfg, model_dir = resolve_model(cfg.model)
         if cfg.shrink:
@@ -110,13 +113,13 @@ class Engine:
         self.weights_loaded = 1
         k, v = new_cache(mcfg, cfg.max_batch + 1, max_seq, self.dtype, self.device)
         self.pad_slot = cfg.max_batch  # the last slot: padding rows and warm-up write here
-        self.state = State(mcfg, weights, k, v, self.family.tables(mcfg, max_seq, self.dtype, self.device),
+        self.state = State(mcfg, weights, k, v, self.family.tables(mcfg, weights, max_seq, self.dtype, self.device),
                            tuple(range(mcfg.num_layers)))
         n_fast = max(1, round(mcfg.num_layers * cfg.fast_fraction))
         self.fast_layers = tuple(sorted({round(i * (mcfg.num_layers - 1) / max(1, n_fast - 1))
                                          for i in range(n_fast)})) if n_fast > 1 else (mcfg.num_layers // 2,)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        self.weight_guard = WeightGuard(weights)
+        self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
         self.process_guard = ProcessGuard()
         self.traffic = traffic.TrafficData.build(cfg.traffic, model_dir, mcfg.vocab_size)
         self.cuda = self.device.type == "cuda"

@@ -72,7 +72,7 @@ class State:
     weights: dict[str, torch.Tensor]  # HF tensor names; read-only
     k_cache: list[torch.Tensor]  # per layer [num_slots, n_kv, max_seq, head_dim]
     v_cache: list[torch.Tensor]
-    tables: dict[str, torch.Tensor]  # derived by the engine from the config (RoPE cos/sin)
+    tables: dict[str, torch.Tensor]  # derived once by the engine (RoPE cos/sin, packed projections); read-only
     layers: tuple[int, ...]  # the layers to run, ascending; the fast tier runs a subset
     scratch: dict[str, Any] = field(default_factory=dict)  # a candidate's own, from prepare
 

@@ -34,7 +34,7 @@ def shrunk(name: str) -> ModelConfig:
 def make_state(cfg: ModelConfig, weights=None, dtype=torch.float32) -> State:
     weights = init_weights(cfg, seed=0, dtype=dtype) if weights is None else weights
     k, v = new_cache(cfg, SLOTS, MAX_SEQ, dtype, "cpu")
-    return State(cfg, weights, k, v, family(cfg).tables(cfg, MAX_SEQ, dtype, "cpu"),
+    return State(cfg, weights, k, v, family(cfg).tables(cfg, weights, MAX_SEQ, dtype, "cpu"),
                  tuple(range(cfg.num_layers)))
 
 

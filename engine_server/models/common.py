@@ -56,8 +56,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, D]; cos/sin: [B, T, D]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    # x: [..., D]; cos/sin broadcast against it (e.g. x [B, T, heads, D], cos [B, T, 1, D])
     return x * cos + rotate_half(x) * sin
 
 

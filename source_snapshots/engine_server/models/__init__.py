@@ -2,7 +2,8 @@
 
 Each family module defines:
     expected_weights(cfg) -> {hf_name: shape}
-    tables(cfg, max_seq, dtype, device) -> {name: tensor}   # derived from the config only
+    tables(cfg, weights, max_seq, dtype, device) -> {name: tensor}
+        # derived once by the engine from the config and the weights (RoPE, packed projections)
     forward(state, batch) -> logits [B, vocab]
 """
 

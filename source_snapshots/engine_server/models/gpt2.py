@@ -102,5 +102,5 @@ def forward(state, batch, mlp=mlp) -> torch.Tensor:
     return F.linear(x, w["transformer.wte.weight"])  # tied head: [B, vocab]
 
 
-def tables(cfg, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+def tables(cfg, weights, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
     return {}  # positions are learned (transformer.wpe), nothing to derive

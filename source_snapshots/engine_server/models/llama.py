@@ -4,6 +4,10 @@ GQA, RoPE (with llama3 scaling), RMSNorm, SwiGLU MLP, optional q/k/v bias (Qwen2
 optional per-head q/k RMSNorm (Qwen3), tied or untied embeddings. Weights use the
 Hugging Face tensor names. `forward(state, batch) -> logits [B, vocab]`.
 
+The engine packs q/k/v into one matrix and gate/up into another once, at load
+(`tables` -> `state.tables["model.layers.{i}.self_attn.qkv_proj.weight"]`,
+`...mlp.gate_up_proj.weight`): one GEMM instead of three, as gpt-fast stores them.
+
 The MoE family (`moe.py`) reuses `attention_block` and `forward` with its own MLP.
 """
 
@@ -40,33 +44,32 @@ def expected_weights(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch, mask=None) -> torch.Tensor:
-    """x: [B, T, D] (already normed) -> [B, T, D]. mask: causal_mask(state, batch)."""
-    cfg, w, p = state.config, state.weights, f"model.layers.{layer}.self_attn."
+    """x: [B, T, D] (already normed) -> [B, T, D]. cos/sin: [B, T, 1, hd]; mask: causal_mask."""
+    cfg, w, t, p = state.config, state.weights, state.tables, f"model.layers.{layer}.self_attn."
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(B, T, H, hd)
-    k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(B, T, KV, hd)
-    v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(B, T, KV, hd)
+    qkv = F.linear(x, t[p + "qkv_proj.weight"], t.get(p + "qkv_proj.bias")).view(B, T, H + 2 * KV, hd)
+    qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
     if cfg.qk_norm:
-        q = rms_norm(q, w[p + "q_norm.weight"], cfg.norm_eps)
-        k = rms_norm(k, w[p + "k_norm.weight"], cfg.norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = attention(state, layer, q, k, v, batch, mask=mask)  # [B, T, H*hd]
+        qk = torch.cat([rms_norm(qk[:, :, :H], w[p + "q_norm.weight"], cfg.norm_eps),
+                        rms_norm(qk[:, :, H:], w[p + "k_norm.weight"], cfg.norm_eps)], dim=2)
+    qk = apply_rope(qk, cos, sin)  # q and k heads together: [B, T, H+KV, hd]
+    q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # [B, heads, T, hd]
+    o = attention(state, layer, q, k, v.transpose(1, 2), batch, mask=mask)  # [B, T, H*hd]
     return F.linear(o, w[p + "o_proj.weight"])
 
 
 def mlp(state, layer: int, x: torch.Tensor, batch) -> torch.Tensor:
     w, p = state.weights, f"model.layers.{layer}.mlp."
-    return F.linear(F.silu(F.linear(x, w[p + "gate_proj.weight"])) * F.linear(x, w[p + "up_proj.weight"]),
-                    w[p + "down_proj.weight"])
+    gate, up = F.linear(x, state.tables[p + "gate_up_proj.weight"]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w[p + "down_proj.weight"])
 
 
 def forward(state, batch, mlp=mlp) -> torch.Tensor:
     cfg, w = state.config, state.weights
     x = F.embedding(batch.tokens, w["model.embed_tokens.weight"])  # [B, T, D]
-    cos = state.tables["rope_cos"][batch.positions]  # [B, T, hd]
-    sin = state.tables["rope_sin"][batch.positions]
+    cos = state.tables["rope_cos"][batch.positions].unsqueeze(2)  # [B, T, 1, hd]: broadcasts over heads
+    sin = state.tables["rope_sin"][batch.positions].unsqueeze(2)
     mask = causal_mask(state, batch)  # once per forward, shared by the layers
     for layer in state.layers:
         p = f"model.layers.{layer}."
@@ -77,6 +80,15 @@ def forward(state, batch, mlp=mlp) -> torch.Tensor:
     return F.linear(x, lm_head_weight(state))  # [B, vocab]
 
 
-def tables(cfg, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+def tables(cfg, weights, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+    """RoPE cos/sin, and the packed projections (copies: the HF weights stay as they are)."""
     from engine_server.models.common import rope_tables
-    return rope_tables(cfg, max_seq, dtype, device)
+    out = rope_tables(cfg, max_seq, dtype, device)
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[a + "qkv_proj.weight"] = torch.cat([weights[a + n + "_proj.weight"] for n in "qkv"])
+        if cfg.attention_bias:
+            out[a + "qkv_proj.bias"] = torch.cat([weights[a + n + "_proj.bias"] for n in "qkv"])
+        if not cfg.is_moe:
+            out[m + "gate_up_proj.weight"] = torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]])
+    return out

@@ -109,8 +109,8 @@ def forward(state, batch) -> torch.Tensor:
     return llama.forward(state, batch, mlp=moe_mlp)
 
 
-def tables(cfg, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
-    return llama.tables(cfg, max_seq, dtype, device)
+def tables(cfg, weights, max_seq: int, dtype, device) -> dict[str, torch.Tensor]:
+    return llama.tables(cfg, weights, max_seq, dtype, device)
 
 
 def experts_active(expert_log: list) -> dict:
