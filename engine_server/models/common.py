@@ -73,6 +73,14 @@ def causal_mask(state, batch) -> torch.Tensor:
     return (torch.arange(S, device=batch.positions.device)[None, None, :] <= batch.positions[:, :, None])[:, None]
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots], copied as 8-byte words: the same bits with a quarter of the loads of a
+    bf16 copy. cache: [num_slots, KV, S, D] -> [B, KV, S, D]."""
+    if (cache.shape[-1] * cache.element_size()) % 8:
+        return cache.index_select(0, slots)
+    return cache.view(torch.int64).index_select(0, slots).view(cache.dtype)
+
+
 def attention(state, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch,
               scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q over the row's cache slot, after writing k/v into it.
@@ -87,8 +95,8 @@ def attention(state, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     without copying it (GQA).
     """
     write_kv(state, layer, k, v, batch)
-    keys = state.k_cache[layer].index_select(0, batch.slots)  # [B, KV, S, D]
-    vals = state.v_cache[layer].index_select(0, batch.slots)
+    keys = gather_slots(state.k_cache[layer], batch.slots)  # [B, KV, S, D]
+    vals = gather_slots(state.v_cache[layer], batch.slots)
     if mask is None:
         mask = causal_mask(state, batch)
     B, H, T, D = q.shape
