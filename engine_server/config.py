@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass, built from a real Hugging Face `config.json`.
+"""Configuration: `ModelConfig` (built from a real Hugging Face `config.json`) and
+`EngineConfig` (every field a flag of `tkcc engine ...`).
 
 Presets are the real config files in `engine_server/presets/` (see ATTRIBUTION.md there).
 `--model` takes a preset name, a path to a `config.json`, or a local HF model directory.
@@ -75,6 +76,53 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d.pop("raw")
         return d
+
+
+@dataclass
+class EngineConfig:
+    """Every field is a CLI flag of `tkcc engine ...` (underscores become dashes).
+    Zero means "pick for the device" (CPU values keep a tiny model's calls to seconds)."""
+    model: str = "llama-3.2-1b"
+    shrink: bool = False
+    device: str = "cpu"
+    dtype: str = ""  # default: bfloat16 on CUDA, float32 on the CPU
+    seed: int = 0
+    traffic: str = ""  # trace file; default: the packaged Azure LLM code trace
+    max_batch: int = 8
+    max_seq: int = 0  # KV cache positions per slot (CPU 512, CUDA 4096)
+    fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one)
+    fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
+    fast_rounds: int = 0  # timed A/B rounds (CPU 21, CUDA 15)
+    fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 20)
+    warmup_rounds: int = 2  # rounds dropped
+    full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)
+    full_max_prompt: int = 0  # cap on prompt tokens (CPU 64, CUDA 2048)
+    full_max_output: int = 0  # cap on output tokens (CPU 8, CUDA 64)
+    full_reps: int = 4  # timed replays per side, after one warm-up each (even: orders balance)
+    trace_speed: float = 1.0  # arrivals compressed by this factor in the full tier
+    exact_rows: int = 4
+    exact_steps: int = 8
+    exact_max_prompt: int = 0  # CPU 48, CUDA 512
+    noise_scale: float = 100.0  # unused KV cells hold N(0, noise_scale) in exactness checks
+    prepare_budget_mb: float = 0.0  # default: the weights' size + 256 MiB
+    call_timeout_s: float = 600.0  # per call, in-process: ends Python-level hangs without a restart
+    worker_grace_s: float = 30.0  # the server kills the worker at call_timeout_s + this
+    implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
+    capture_graphs: bool = True
+    cpu_threads: int = 1  # torch threads on the CPU (0: torch's default); tiny models gain nothing from more
+
+    def resolved(self) -> "EngineConfig":
+        from engine_server.traffic import DEFAULT_TRACE
+        cuda = self.device.startswith("cuda")
+        pick = lambda v, c, g: v or (g if cuda else c)  # noqa: E731
+        return dataclasses.replace(
+            self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
+            max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 21, 15),
+            fast_iters=pick(self.fast_iters, 3, 20), full_requests=pick(self.full_requests, 10, 32),
+            full_max_prompt=pick(self.full_max_prompt, 64, 2048),
+            full_max_output=pick(self.full_max_output, 8, 64),
+            exact_max_prompt=pick(self.exact_max_prompt, 48, 512),
+            traffic=self.traffic or str(DEFAULT_TRACE))
 
 
 def preset_names() -> list[str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from engine_server import snapshot
 from engine_server.client import state_dir
-from engine_server.engine import SNAPSHOT_DIR, EngineConfig
+from engine_server.config import EngineConfig
 from engine_server.ledger import Ledger
 from engine_server.log import get_logger
 from engine_server.results import ErrorInfo, ExactResult, InstallResult, MeasureResult
@@ -107,10 +107,11 @@ class Worker:
             if msg.get("id") == rid:
                 return msg
 
-    def call(self, method: str, params: dict, timeout: float) -> dict:
+    def call(self, method: str, params: dict, timeout: float, agent: str | None = None) -> dict:
         self._id += 1
+        msg = {"id": self._id, "method": method, "params": params, "agent": agent}
         try:
-            self.proc.stdin.write((json.dumps({"id": self._id, "method": method, "params": params}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the reader sees EOF and reports the death
@@ -173,10 +174,10 @@ class Supervisor:
         log.info("call", method=method, candidate=cid, agent=agent_id, ok=result.get("ok"))
         return result
 
-    def _device_call(self, method: str, params: dict, timeout: float | None = None) -> dict:
+    def _device_call(self, method: str, params: dict, timeout: float | None = None, agent: str | None = None) -> dict:
         """Run on the worker; a hang or death restarts it and raises WorkerFailure."""
         try:
-            resp = self.worker.call(method, params, timeout or self.timeout_for(method))
+            resp = self.worker.call(method, params, timeout or self.timeout_for(method), agent)
         except WorkerFailure as e:
             self._restart(e, method, params.get("candidate_id"))
             raise
@@ -237,7 +238,7 @@ class Supervisor:
         with self.device_lock:
             try:
                 r = self._device_call("submit_forward_pass", {"source": source, "name": name, "parent": parent,
-                                                              "candidate_id": cid})
+                                                              "candidate_id": cid}, agent=agent_id)
             except WorkerFailure as f:
                 r = self._failed(InstallResult, f, candidate_id=cid, name=name, parent=parent, stage="none")
         if r.get("ok"):
@@ -245,26 +246,29 @@ class Supervisor:
         self.ledger.update_candidate(cid, stage=r.get("stage"), ok=bool(r.get("ok")), error=_error_text(r))
         return r
 
-    def _measured(self, method: str, model, candidate_id: str, extra: dict, **params) -> dict:
+    def _measured(self, method: str, model, candidate_id: str, extra: dict, agent_id: str | None = None,
+                  **params) -> dict:
         with self.device_lock:
             try:
                 missing = self._ensure_installed(candidate_id)
                 if missing is not None:
                     return model(candidate_id=candidate_id, ok=False, **extra, error=ErrorInfo(
                         stage="lookup", type="KeyError", message=missing["message"])).model_dump(mode="json")
-                return self._device_call(method, {"candidate_id": candidate_id, **params})
+                return self._device_call(method, {"candidate_id": candidate_id, **params}, agent=agent_id)
             except WorkerFailure as f:
                 return self._failed(model, f, candidate_id=candidate_id, **extra)
 
     def _measure_fast(self, candidate_id: str, agent_id: str | None = None) -> dict:
-        return self._measured("measure_fast", MeasureResult, candidate_id, {"tier": "fast", "valid": False})
+        return self._measured("measure_fast", MeasureResult, candidate_id, {"tier": "fast", "valid": False},
+                              agent_id=agent_id)
 
     def _measure_full(self, candidate_id: str, agent_id: str | None = None) -> dict:
-        return self._measured("measure_full", MeasureResult, candidate_id, {"tier": "full", "valid": False})
+        return self._measured("measure_full", MeasureResult, candidate_id, {"tier": "full", "valid": False},
+                              agent_id=agent_id)
 
     def _check_bit_exact(self, candidate_id: str, mode: str = "bitwise", atol: float = 1e-2,
                          rtol: float = 1e-2, agent_id: str | None = None) -> dict:
-        return self._measured("check_bit_exact", ExactResult, candidate_id, {},
+        return self._measured("check_bit_exact", ExactResult, candidate_id, {}, agent_id=agent_id,
                               mode=mode, atol=atol, rtol=rtol)
 
     def _rollback(self, candidate_id: str = "reference", agent_id: str | None = None) -> dict:
@@ -284,7 +288,7 @@ class Supervisor:
 
     def _read_engine_source(self, path: str | None = None, start_line: int | None = None,
                             end_line: int | None = None, agent_id: str | None = None) -> dict:
-        return snapshot.read(SNAPSHOT_DIR, path, start_line, end_line,
+        return snapshot.read(snapshot.SNAPSHOT_DIR, path, start_line, end_line,
                              reference=self.worker.info.get("family_source"))
 
     def _leaderboard(self, tier: str = "fast", limit: int = 20, agent_id: str | None = None) -> dict:

@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    import structlog
+
     from engine_server.engine import Engine, EngineConfig
 
     cfg = EngineConfig(**json.loads(argv[0]))
@@ -42,6 +44,9 @@ def main(argv: list[str]) -> int:
             continue
         req = json.loads(line)
         method, params = req.get("method"), req.get("params") or {}
+        # every log line of this call names the agent and candidate it concerns
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(agent=req.get("agent"), candidate=params.get("candidate_id"))
         if method not in METHODS:
             resp = {"id": req.get("id"), "ok": False, "error": f"unknown method {method!r}"}
         else:

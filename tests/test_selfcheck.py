@@ -12,6 +12,11 @@ def test_selfcheck_every_preset(preset):
     rep = run(EngineConfig(model=preset, shrink=True, device="cpu"), out=lines.append)
     assert rep["exact_reference"] is True
     lo, hi = rep["speedup_fast_ci95_reference"]
+    if not lo <= 1.0 <= hi:
+        # a 95% interval misses the truth one time in twenty: an independent second interval
+        # must contain 1.0 (a real bias would make both miss)
+        again = run(EngineConfig(model=preset, shrink=True, device="cpu"), out=lines.append)
+        lo, hi = again["speedup_fast_ci95_reference"]
     assert lo <= 1.0 <= hi, rep
     assert rep["exact_perturbed"] is False
     assert rep["first_mismatch_perturbed"]["phase"] == "prefill"

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from engine_server.engine import EngineConfig
+from engine_server.config import EngineConfig
 
 
 def add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     mc.add_argument("--device", default=None, help="for an engine this starts (default: cuda if available)")
     mc.add_argument("--start-timeout-s", type=float, default=900.0, help="wait this long for it to start")
 
+    from tkcc_mcp import ablate, campaign
+    campaign.add_parser(sub)
+    ablate.add_parser(sub)
+
     args = p.parse_args(argv)
     if args.cmd == "engine" and args.engine_cmd == "selfcheck":
         from engine_server.selfcheck import run
@@ -83,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_mcp(engine=args.engine, token_file=args.token_file, home=args.home, agent_id=args.agent_id,
                        http=args.http, host=args.host, model=args.model, shrink=args.shrink,
                        device=args.device, start_timeout_s=args.start_timeout_s)
+    if args.cmd == "campaign":
+        return campaign.main(args)
+    if args.cmd == "ablate":
+        return ablate.main(args)
     if args.cmd == "ledger":
         return ledger_command(args)
     if args.cmd == "snapshot":
