@@ -160,6 +160,8 @@ class Supervisor:
         if method not in DEVICE_METHODS | LOCAL_METHODS:
             return {"ok": False, "error": f"unknown method {method!r}; methods: "
                                           f"{sorted(DEVICE_METHODS | LOCAL_METHODS)}"}
+        if method == "submit_forward_pass":
+            params = self._new_candidate(params, agent_id)
         cid = params.get("candidate_id")
         logged = {k: v for k, v in params.items() if k != "source"}
         call_id = self.ledger.start_call(method, cid, agent_id, logged)
@@ -228,13 +230,23 @@ class Supervisor:
 
     # -- device methods ---------------------------------------------------------------
 
+    def _new_candidate(self, params: dict, agent_id: str | None) -> dict:
+        """Give a submission its id and ledger row before anything runs, so that even a call
+        cut short by a kill names its candidate. Callers cannot choose ids."""
+        params = {k: v for k, v in params.items() if k != "candidate_id"}
+        source = params.get("source")
+        if isinstance(source, str) and source.strip():
+            params["candidate_id"] = self.ledger.next_candidate_id()
+            self.ledger.add_candidate(params["candidate_id"], source, name=params.get("name"),
+                                      parent=params.get("parent"), agent_id=agent_id)
+        return params
+
     def _submit_forward_pass(self, source: str, name: str | None = None, parent: str | None = None,
-                             agent_id: str | None = None) -> dict:
-        if not isinstance(source, str) or not source.strip():
+                             agent_id: str | None = None, candidate_id: str | None = None) -> dict:
+        if candidate_id is None:  # _new_candidate gives every non-empty source an id
             return InstallResult(candidate_id="", ok=False, stage="none", error=ErrorInfo(
                 stage="parse", type="ValueError", message="source is empty")).model_dump(mode="json")
-        cid = self.ledger.next_candidate_id()
-        self.ledger.add_candidate(cid, source, name=name, parent=parent, agent_id=agent_id)
+        cid = candidate_id
         with self.device_lock:
             try:
                 r = self._device_call("submit_forward_pass", {"source": source, "name": name, "parent": parent,

@@ -44,7 +44,7 @@ def expected_weights(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def attention_block(state, layer: int, x: torch.Tensor, cos, sin, batch, mask=None) -> torch.Tensor:
-    """x: [B, T, D] (already normed) -> [B, T, D]. cos/sin: [B, T, 1, hd]; mask: causal_mask."""
+    """x: [B, T, D] (already normed) -> [B, T, D]. cos/sin: [B, T, 1, hd] (sin: rope_sin_rot); mask: causal_mask."""
     cfg, w, t, p = state.config, state.weights, state.tables, f"model.layers.{layer}.self_attn."
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -69,7 +69,7 @@ def forward(state, batch, mlp=mlp) -> torch.Tensor:
     cfg, w = state.config, state.weights
     x = F.embedding(batch.tokens, w["model.embed_tokens.weight"])  # [B, T, D]
     cos = state.tables["rope_cos"][batch.positions].unsqueeze(2)  # [B, T, 1, hd]: broadcasts over heads
-    sin = state.tables["rope_sin"][batch.positions].unsqueeze(2)
+    sin = state.tables["rope_sin_rot"][batch.positions].unsqueeze(2)
     mask = causal_mask(state, batch)  # once per forward, shared by the layers
     for layer in state.layers:
         p = f"model.layers.{layer}."
