@@ -34,12 +34,12 @@ from pydantic import BaseModel, Field, ValidationError
 
 from engine_server.client import EngineClient, EngineUnavailable, state_dir
 from engine_server.log import get_logger
+from engine_server.server import check_loopback
 from engine_server.results import ExactResult, InstallResult, MeasureResult
 from tkcc_mcp import launch
 
 log = get_logger("mcp")
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 PROGRESS_EVERY_S = 5.0
 Locate = Callable[[], "tuple[str, str | Path]"]  # -> (engine url, token file); may start an engine
 
@@ -345,9 +345,12 @@ def run(engine: str | None = None, token_file: str | None = None, home: str | No
         start_timeout_s: float = 900.0) -> int:
     """Serve until the client goes away (stdio) or SIGINT/SIGTERM (HTTP)."""
     agent_id = agent_id or f"mcp-{os.getpid()}"
-    if http is not None and host not in LOOPBACK:
-        print(f"tkcc mcp: refusing to serve on {host!r}: loopback only ({', '.join(LOOPBACK)})", file=sys.stderr)
-        return 2
+    if http is not None:
+        try:
+            check_loopback(host)
+        except ValueError as e:
+            print(f"tkcc mcp: {e}", file=sys.stderr)
+            return 2
     if engine:
         tf = Path(token_file) if token_file else state_dir(home) / "engine.token"
         if not tf.is_file():
