@@ -54,17 +54,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from engine_server.engine import REFERENCE, Engine, EngineConfig
+from engine_server.config import EngineConfig
 from engine_server.log import get_logger
-from engine_server.state import Batch, decode_batch, prefill_batch
+from engine_server.server import check_loopback
+
+if TYPE_CHECKING:  # torch and the engine load when a Service is built: `tkcc --help` stays light
+    import torch
+
+    from engine_server.engine import Engine
+    from engine_server.state import Batch
 
 log = get_logger("serving")
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+REFERENCE = "reference"  # engine.REFERENCE, the candidate id of the reference forward pass
 
 
 @dataclass
@@ -132,7 +136,8 @@ class Metrics:
 
     @property
     def failures(self) -> int:
-        return sum(n for (_, s), n in self.requests.items() if s not in ("ok", "cancelled"))
+        """Requests the server failed (status "error"); refusals (4xx) and cancels are counted apart."""
+        return sum(n for (_, s), n in self.requests.items() if s == "error")
 
     def render(self, active: str, running: int, waiting: int) -> str:
         with self.lock:
@@ -140,7 +145,8 @@ class Metrics:
                    "# TYPE tkcc_requests_total counter"]
             out += [f'tkcc_requests_total{{endpoint="{e}",status="{s}"}} {n}'
                     for (e, s), n in sorted(self.requests.items())]
-            out += ["# TYPE tkcc_request_failures_total counter", f"tkcc_request_failures_total {self.failures}",
+            out += ["# HELP tkcc_request_failures_total Requests the server failed (refusals and cancels excluded).",
+                    "# TYPE tkcc_request_failures_total counter", f"tkcc_request_failures_total {self.failures}",
                     "# TYPE tkcc_prompt_tokens_total counter", f"tkcc_prompt_tokens_total {self.prompt_tokens}",
                     "# TYPE tkcc_generation_tokens_total counter",
                     f"tkcc_generation_tokens_total {self.generation_tokens}",
@@ -243,6 +249,8 @@ class Scheduler:
 
     def submit(self, req: GenRequest) -> None:
         room = self.eng.state.max_seq - len(req.prompt)
+        if self._stop:
+            raise RequestError("the server is shutting down")
         if not req.prompt:
             raise RequestError("the prompt is empty")
         if room < 1:
@@ -252,6 +260,7 @@ class Scheduler:
             raise RequestError("max_tokens must be >= 1")
         req.max_tokens = min(req.max_tokens, room)
         if req.temperature > 0:
+            import torch
             req.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
         req.arrival_s = self.now()
         with self.cv:
@@ -341,6 +350,9 @@ class Scheduler:
             return self._forward(batch, rows)
 
     def _prefill(self, req: GenRequest) -> None:
+        import torch
+
+        from engine_server.state import prefill_batch
         dev = self.eng.device
         batch = prefill_batch(torch.tensor([req.prompt], device=dev), torch.tensor([req.slot], device=dev))
         batch.expert_log = [] if self.moe else None
@@ -353,6 +365,9 @@ class Scheduler:
         self._emit(req, self._sample(logits, [req])[0])
 
     def _decode(self, reqs: list[GenRequest]) -> None:
+        import torch
+
+        from engine_server.state import Batch, decode_batch
         n, dev, eng = len(reqs), self.eng.device, self.eng
         tokens = [r.out[-1] for r in reqs]
         positions = [len(r.prompt) + len(r.out) - 1 for r in reqs]
@@ -398,6 +413,7 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> list[int]:
         """logits [B, vocab] -> one token per row: argmax, or temperature/top_p sampling."""
+        import torch
         toks = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
             if r.temperature > 0:
@@ -436,6 +452,7 @@ class Scheduler:
 
 def _route_counts(expert_log: list, num_experts: int) -> torch.Tensor:
     """expert_log (one [N, top_k] per MoE layer) -> [N, E] picks per token, summed over layers."""
+    import torch
     ids = torch.stack([e.to("cpu") for e in expert_log])  # [L, N, k]
     one = torch.zeros(ids.shape[1], num_experts, dtype=torch.int64)
     return one.scatter_add_(1, ids.permute(1, 0, 2).reshape(ids.shape[1], -1),
@@ -507,7 +524,10 @@ class Service:
         from engine_server.client import state_dir
         from engine_server.ledger import Ledger
         self.config = cfg = config or ServeConfig()
-        self.engine = engine or Engine(engine_config)
+        if engine is None:
+            from engine_server.engine import Engine
+            engine = Engine(engine_config)
+        self.engine = engine
         self.home = state_dir(cfg.home or None)
         self.ledger = Ledger(self.home / "ledger.db")
         self.metrics = Metrics()
@@ -564,9 +584,9 @@ class Service:
                                          error=None if r.error is None else f"{r.error.stage}: {r.error.type}: "
                                                                             f"{r.error.message}")
             if not r.ok:
-                self.ledger.record_event("candidate_rejected", {"reason": "install into the serving engine failed",
-                                                                "error": r.error.model_dump() if r.error else None,
-                                                                **(evidence or {})}, candidate_id=cid, agent_id=agent_id)
+                why = {"reason": "install into the serving engine failed",
+                       "error": r.error.model_dump() if r.error else None, **(evidence or {})}
+                self.ledger.record_event("candidate_rejected", why, candidate_id=cid, agent_id=agent_id)
                 return {"ok": False, "candidate_id": cid, "previous": self.active, "install": r.model_dump(mode="json")}
             prev = self.scheduler.swap(cid)
         self.metrics.promotions += 1
@@ -665,7 +685,13 @@ def make_app(service: Service):
             service.metrics.request(endpoint, "bad_request")
             return _error(str(e))
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        req.emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        def emit(ev):  # called on the scheduler thread
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+        req.emit = emit
         try:
             service.scheduler.submit(req)
         except RequestError as e:
@@ -763,11 +789,6 @@ def make_app(service: Service):
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                              Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)])
-
-
-def check_loopback(host: str) -> None:
-    if host not in LOOPBACK:
-        raise ValueError(f"refusing to bind {host!r}: the server listens on loopback only ({', '.join(LOOPBACK)})")
 
 
 def _bind(host: str, port: int) -> socket.socket:

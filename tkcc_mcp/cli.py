@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from tkcc_mcp import ablate, campaign
     campaign.add_parser(sub)
     ablate.add_parser(sub)
+    from engine_server import drift, serving
+    from tkcc_mcp import replay
+    serving.add_parser(sub, add_dataclass_args)
+    drift.add_parser(sub, add_dataclass_args)
+    replay.add_parser(sub)
 
     args = p.parse_args(argv)
     if args.cmd == "engine" and args.engine_cmd == "selfcheck":
@@ -91,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         return campaign.main(args)
     if args.cmd == "ablate":
         return ablate.main(args)
+    if args.cmd == "serve":
+        return serving.main(args)
+    if args.cmd == "traffic":
+        return drift.main(args)
+    if args.cmd == "replay":
+        return replay.main(args)
     if args.cmd == "ledger":
         return ledger_command(args)
     if args.cmd == "snapshot":
