@@ -54,3 +54,40 @@ def test_moe_reference_runs_eagerly_and_is_exact():
     assert r.ok
     assert eng.check_bit_exact(r.candidate_id).exact
     assert eng.measure_fast(r.candidate_id).experts_active > 0
+
+
+def test_serving_batches_through_graphs_and_promotes_without_failures(tmp_path):
+    """The serving scheduler on CUDA (no HTTP: the GPU image has no web stack): concurrent
+    requests share decode steps through padded graph batches; a promotion mid-run fails none,
+    and greedy outputs equal those of a run with no promotion (the pass is exact)."""
+    import time
+
+    from engine_server.config import EngineConfig
+    from engine_server.selfcheck import reference_source
+    from engine_server.serving import GenRequest, ServeConfig, Service
+
+    svc = Service(EngineConfig(model="llama-3.2-1b", shrink=True, device="cuda"), ServeConfig(home=str(tmp_path)))
+    svc.start()
+    try:
+        def batch(promote_after: float | None):
+            reqs = [GenRequest(prompt=svc.encode(f"request {i}: " + "tokens " * (3 * i + 1)), max_tokens=24,
+                               ignore_eos=True) for i in range(6)]
+            for r in reqs:
+                svc.scheduler.submit(r)
+            if promote_after is not None:
+                time.sleep(promote_after)
+                assert svc.promote(reference_source(svc.engine), name="copy")["ok"]
+            deadline = time.time() + 120
+            while any(r.finish_reason is None for r in reqs):
+                assert time.time() < deadline
+                time.sleep(0.01)
+            return reqs
+
+        first = batch(promote_after=0.05)
+        assert all(r.finish_reason == "length" and len(r.out) == 24 for r in first)
+        assert svc.metrics.failures == 0
+        second = batch(promote_after=None)
+        assert [r.out for r in first] == [r.out for r in second]
+        assert max(s.rows for s in svc.scheduler.steps) > 1  # rows shared a decode step
+    finally:
+        svc.close()
