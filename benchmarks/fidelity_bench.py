@@ -1,0 +1,142 @@
+"""Tier fidelity: do fast-tier speedups rank candidates as the full tier does?
+
+Installs ~20 distinct candidates on one live engine: the offline agent's move combinations,
+and hand-written variants that add work per layer (both tiers see it), per forward pass (the
+fast tier, with fewer layers, sees it larger) or in prefill only (the fast tier's blind spot),
+then measures each on both tiers and reports the Spearman rank correlation.
+
+    python benchmarks/fidelity_bench.py --device cuda [--full-requests 8]
+
+Prints a card, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine_server.engine import Engine, EngineConfig  # noqa: E402
+from engine_server.results import hardware  # noqa: E402
+from tkcc_mcp.agents import moves as M  # noqa: E402
+
+LAYER_WORK = '''
+import torch.nn.functional as F
+from engine_server.models import llama as ref
+_mlp = ref.mlp
+
+
+def _slow_mlp(state, layer, x, batch):
+    for _ in range({k}):  # extra work in every layer the pass runs
+        F.linear(x, state.weights[f"model.layers.{{layer}}.mlp.down_proj.weight"].t())
+    return _mlp(state, layer, x, batch)
+
+
+def forward(state, batch):
+    return ref.forward(state, batch, mlp=_slow_mlp)
+'''
+
+FORWARD_WORK = '''
+import torch.nn.functional as F
+from engine_server.models import llama as ref
+from engine_server.models.common import lm_head_weight
+
+
+def forward(state, batch):
+    x = F.embedding(batch.tokens[:, -1:], state.weights["model.embed_tokens.weight"])
+    for _ in range({k}):  # extra work once per forward pass, whatever the layers
+        F.linear(x, lm_head_weight(state))
+    return ref.forward(state, batch)
+'''
+
+PREFILL_WORK = '''
+import torch.nn.functional as F
+from engine_server.models import llama as ref
+from engine_server.models.common import lm_head_weight
+
+
+def forward(state, batch):
+    if batch.seq_len > 1:  # extra work in prefill only: the fast tier times decode steps
+        x = F.embedding(batch.tokens, state.weights["model.embed_tokens.weight"])
+        for _ in range({k}):
+            F.linear(x, lm_head_weight(state))
+    return ref.forward(state, batch)
+'''
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        r = [0.0] * len(xs)
+        i = 0
+        while i < len(order):  # average ranks of ties
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def candidates(device: str, n_moves: int) -> list[tuple[str, str]]:
+    src = M.load_sources("llama")
+    ok = M.applicable("llama", src, device)
+    out = []
+    for r in range(1, len(ok) + 1):
+        for combo in itertools.combinations(ok, r):
+            out.append((M.apply(M.Spec("llama"), combo).name, M.render(M.apply(M.Spec("llama"), combo), src)))
+    out = out[:: max(1, len(out) // n_moves)][:n_moves]
+    out += [(f"layer-work-{k}", LAYER_WORK.format(k=k)) for k in (1, 2, 3, 4, 6)]
+    out += [(f"forward-work-{k}", FORWARD_WORK.format(k=k)) for k in (1, 2, 4, 8)]
+    out += [(f"prefill-work-{k}", PREFILL_WORK.format(k=k)) for k in (2, 8)]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shrink", action="store_true")
+    p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
+    p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
+    rows = []
+    t0 = time.perf_counter()
+    for name, src in candidates(a.device, a.moves):
+        r = eng.submit_forward_pass(src, name=name)
+        if not r.ok:
+            print(f"{name}: install failed: {r.error.message[:200]}")
+            continue
+        fm, full = eng.measure_fast(r.candidate_id), eng.measure_full(r.candidate_id)
+        rows.append({"name": name, "fast": fm.speedup, "fast_ci95": fm.speedup_ci95, "full": full.speedup,
+                     "full_ci95": full.speedup_ci95, "fast_s": fm.seconds, "full_s": full.seconds})
+        print(f"{name:>60}: fast x{fm.speedup:.3f}  full x{full.speedup:.3f}")
+        eng.remove(r.candidate_id)
+    rho = spearman([r["fast"] for r in rows], [r["full"] for r in rows])
+    res = {"bench": "fidelity", "model": eng.model.name, "device": a.device, "candidates": len(rows),
+           "spearman": rho, "fast_s_mean": sum(r["fast_s"] for r in rows) / len(rows),
+           "full_s_mean": sum(r["full_s"] for r in rows) / len(rows), "rows": rows,
+           "seconds": time.perf_counter() - t0, "hardware": hardware(str(eng.device)).model_dump(),
+           "command": " ".join(["python"] + sys.argv)}
+    print(f"Spearman rank correlation, fast vs full tier, {len(rows)} candidates: {rho:.3f}; "
+          f"fast tier {res['fast_s_mean']:.2f} s, full tier {res['full_s_mean']:.2f} s a call")
+    print(json.dumps(res))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
