@@ -13,7 +13,6 @@ import gc
 import inspect
 import linecache
 import sys
-import time
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -169,9 +168,3 @@ def unload(cand: Candidate) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def timed(fn: Callable, *args) -> tuple[Any, float]:
-    t = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t

@@ -203,13 +203,10 @@ class Engine:
         violations = self.weight_guard.check() + self.process_guard.check()
         if violations and cand.error is None:
             cand.error = ErrorInfo(stage="install", type="Violation", message="; ".join(violations))
-        if cand.error is not None:
+        if cand.ok:
+            self.candidates[cid] = cand
+        else:
             cands.unload(cand)
-            if cand.stage in ("", "imported") and cand.error.stage == "parse":
-                cand.stage = ""
-        self.candidates[cid] = cand if cand.ok else self.candidates.get(cid, cand)
-        if not cand.ok:
-            self.candidates.pop(cid, None)
         res = InstallResult(candidate_id=cid, name=name, parent=parent, ok=cand.ok,
                             stage=cand.stage or "none", error=cand.error, prepare_bytes=cand.prepare_bytes,
                             graphs=cand.graphs.names() if cand.graphs else [], notes=cand.notes,
@@ -259,17 +256,13 @@ class Engine:
     def _run_checked(self, candidate_id: str, what: str, fn):
         """Run a measurement or check with the guards around it; failures become results."""
         model = ExactResult if what == "exact" else MeasureResult
-        extra = {} if what == "exact" else {"tier": what}
+        extra = {} if what == "exact" else {"tier": what, "valid": False}
         with self._lock:
             cand = self.candidates.get(candidate_id)
             if cand is None:
-                return model(candidate_id=candidate_id, ok=False, valid=False, **extra,
-                             error=ErrorInfo(stage="lookup", type="KeyError",
-                                             message=f"no installed candidate {candidate_id!r}; "
-                                                     f"installed: {sorted(self.candidates)}")) \
-                    if what != "exact" else model(candidate_id=candidate_id, ok=False,
-                                                  error=ErrorInfo(stage="lookup", type="KeyError",
-                                                                  message=f"no installed candidate {candidate_id!r}"))
+                return model(candidate_id=candidate_id, ok=False, **extra, error=ErrorInfo(
+                    stage="lookup", type="KeyError",
+                    message=f"no installed candidate {candidate_id!r}; installed: {sorted(self.candidates)}"))
             t0 = time.perf_counter()
             snap = self.state.clone_cache() if what == "exact" else None
             try:
