@@ -8,25 +8,21 @@ Prints a card, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.engine import Engine, EngineConfig  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = engine_args(argparse.ArgumentParser())
     p.add_argument("files", nargs="+")
-    p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shrink", action="store_true")
     p.add_argument("--full", action="store_true", help="also run the full tier")
-    p.add_argument("--out", default=None)
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device))
     rows = []
@@ -61,11 +57,8 @@ def main() -> int:
               f"full x{row.get('full_speedup', 0):.3f} {('ERR ' + r.error.message[:200]) if r.error else ''}")
     res = {"bench": "candidates", "model": eng.model.name, "device": a.device, "dtype": eng.config.dtype,
            "reference_self_exact": self_check.exact, "rows": rows,
-           "hardware": hardware(str(eng.device)).model_dump(), "command": " ".join(["python"] + sys.argv)}
-    print(json.dumps(res, default=str))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2, default=str))
-    return 0
+           "hardware": hardware(str(eng.device)).model_dump()}
+    return emit(res, a.out)
 
 
 if __name__ == "__main__":

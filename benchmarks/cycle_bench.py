@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.client import EngineClient  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
@@ -49,12 +50,8 @@ def experiment(c: EngineClient, source: str) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--shrink", action="store_true")
+    p = engine_args(argparse.ArgumentParser())
     p.add_argument("--n", type=int, default=5)
-    p.add_argument("--out", default=None)
     a = p.parse_args()
     family = "llama"
     source = (REF / f"{family}.py").read_text()
@@ -82,17 +79,14 @@ def main() -> int:
            "ratio_p50": statistics.median(restart) / statistics.median(live),
            "experiments_per_hour_live": 3600 / statistics.median(live),
            "experiments_per_hour_restart": 3600 / statistics.median(restart),
-           "hardware": hardware(a.device).model_dump(), "command": " ".join(["python"] + sys.argv)}
+           "hardware": hardware(a.device).model_dump()}
     print(f"== experiment cycle (submit -> fast-tier result), {a.model}{' shrunk' if a.shrink else ''} on {a.device}")
     print(f"live engine:        P50 {res['live_s']['p50']:.3f} s  P90 {res['live_s']['p90']:.3f} s  "
           f"({res['experiments_per_hour_live']:.0f} experiments/hour)")
     print(f"restart per run:    P50 {res['restart_s']['p50']:.3f} s  P90 {res['restart_s']['p90']:.3f} s  "
           f"({res['experiments_per_hour_restart']:.0f} experiments/hour)")
     print(f"live is {res['ratio_p50']:.1f}x faster per experiment")
-    print(json.dumps(res))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    return 0
+    return emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ script runs (with --shrink) but its numbers only show the plumbing works.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.engine import Engine, EngineConfig  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from engine_server.selfcheck import reference_source  # noqa: E402
@@ -64,12 +64,8 @@ def decode_rate(eng: Engine, cand, contexts: list[int], iters: int = 200, graphs
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shrink", action="store_true")
+    p = engine_args(argparse.ArgumentParser())
     p.add_argument("--repeats", type=int, default=3, help="experiments timed on the live engine")
-    p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args()
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device))
@@ -118,7 +114,6 @@ def main() -> int:
                                                 "per_user_tps_p90", "ttft_ms_p50", "ttft_ms_p90",
                                                 "throughput_tps", "requests", "tokens_match")},
         "memory": mem, "weight_bytes": eng.weight_bytes, "hardware": hw.model_dump(), "nvidia_smi": smi,
-        "command": " ".join(["python"] + sys.argv),
     }
     print(f"== tkcc engine bench: {eng.model.name} on {hw.device_name} ({eng.config.dtype})")
     print(f"startup {startup:.1f} s, weights {eng.weight_bytes / 1e9:.2f} GB")
@@ -129,10 +124,7 @@ def main() -> int:
     ec = res["experiment_cycle_s"]
     print(f"install+capture {ec['install_capture_p50']} s; +measure_fast {ec['install_capture_fast_p50']} s; "
           f"exact {t_exact:.2f} s; measure_full {t_full:.2f} s (first {t_full_first:.2f} s)")
-    print(json.dumps(res, default=str))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2, default=str))
-    return 0
+    return emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.engine import Engine, EngineConfig  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from tkcc_mcp.agents import moves as M  # noqa: E402
@@ -103,13 +102,9 @@ def candidates(device: str, n_moves: int) -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shrink", action="store_true")
+    p = engine_args(argparse.ArgumentParser())
     p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
     p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
-    p.add_argument("--out", default=None)
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
     rows = []
@@ -128,14 +123,10 @@ def main() -> int:
     res = {"bench": "fidelity", "model": eng.model.name, "device": a.device, "candidates": len(rows),
            "spearman": rho, "fast_s_mean": sum(r["fast_s"] for r in rows) / len(rows),
            "full_s_mean": sum(r["full_s"] for r in rows) / len(rows), "rows": rows,
-           "seconds": time.perf_counter() - t0, "hardware": hardware(str(eng.device)).model_dump(),
-           "command": " ".join(["python"] + sys.argv)}
+           "seconds": time.perf_counter() - t0, "hardware": hardware(str(eng.device)).model_dump()}
     print(f"Spearman rank correlation, fast vs full tier, {len(rows)} candidates: {rho:.3f}; "
           f"fast tier {res['fast_s_mean']:.2f} s, full tier {res['full_s_mean']:.2f} s a call")
-    print(json.dumps(res))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    return 0
+    return emit(res, a.out)
 
 
 if __name__ == "__main__":
