@@ -1,0 +1,118 @@
+"""The baselines compute what the engine's reference computes (same weights, same prompt), and
+forward_bench.py runs end to end on the CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import baselines, forward_bench
+from engine_server.config import resolve_model, shrink
+from engine_server.models import family
+from engine_server.state import State, decode_batch, new_cache, prefill_batch
+from engine_server.weights import init_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup(model: str):
+    cfg = shrink(resolve_model(model)[0])
+    w = init_weights(cfg, seed=1)
+    fam = family(cfg)
+    k, v = new_cache(cfg, 1, 64, torch.float32, "cpu")
+    state = State(cfg, w, k, v, fam.tables(cfg, w, 64, torch.float32, "cpu"), tuple(range(cfg.num_layers)))
+    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    return cfg, w, fam, state, prompt
+
+
+def _reference_greedy(fam, state, prompt, steps):
+    slot = torch.tensor([0])
+    logits = [fam.forward(state, prefill_batch(torch.tensor([prompt]), slot))]
+    for i in range(steps):
+        tok = logits[-1].argmax(-1)
+        logits.append(fam.forward(state, decode_batch(tok, torch.tensor([len(prompt) + i]), slot)))
+    return logits, [int(x.argmax(-1)) for x in logits]
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-1b", "qwen2.5-0.5b"])
+def test_decoder_matches_the_engine_reference(model):
+    cfg, w, fam, state, prompt = _setup(model)
+    ref_logits, ref_tokens = _reference_greedy(fam, state, prompt, 8)
+    dec = baselines.Decoder(cfg, 64).setup(torch.float32, "cpu").load_hf(w).eval()
+    with torch.no_grad():
+        out = [dec(torch.tensor([prompt]), torch.arange(len(prompt)))]
+        for i, tok in enumerate(ref_tokens[:-1]):
+            out.append(dec(torch.tensor([[tok]]), torch.tensor([len(prompt) + i])))
+    for r, o in zip(ref_logits, out):
+        torch.testing.assert_close(o, r, atol=2e-4, rtol=1e-4)
+    # the timed path (eager here) gives the same greedy tokens
+    res = baselines.compiled_decode_rate(cfg, "cpu", torch.float32, context=len(prompt), steps=8, warmup=2,
+                                         repeats=1, weights=w, prompt=prompt, mode=None)
+    assert res.ok, res.error
+    assert res.tokens == ref_tokens and res.tok_s > 0
+
+
+def test_decoder_without_weights_and_bad_family():
+    cfg = shrink(resolve_model("llama-3.2-1b")[0])
+    res = baselines.compiled_decode_rate(cfg, "cpu", torch.float32, context=8, steps=4, warmup=1, repeats=1,
+                                         mode=None)
+    assert res.ok and len(res.tokens) == 5
+    bad = baselines.compiled_decode_rate(shrink(resolve_model("gpt2")[0]), "cpu", torch.float32, context=8,
+                                         steps=4, mode=None)
+    assert not bad.ok and "dense Llama-family" in bad.error
+
+
+def test_hf_baseline_matches_the_engine_reference():
+    pytest.importorskip("transformers")
+    cfg, w, fam, state, prompt = _setup("llama-3.2-1b")
+    _, ref_tokens = _reference_greedy(fam, state, prompt, 6)
+    res = baselines.hf_decode_rate(cfg, "cpu", torch.float32, context=len(prompt), steps=6, repeats=1,
+                                   weights=w, prompt=prompt)
+    assert res.ok, res.error
+    assert res.tokens == ref_tokens and res.tok_s > 0
+    assert any("default cache" in n for n in res.notes)
+
+
+def test_knobs_rewrite_and_neighbours():
+    src = ("import x\n# é\nKNOBS = {\n    'BLOCK': 64,  # c\n    'mlp': {'num_warps': 4, 'stages': 3},\n"
+           "    's': 'a',\n}\nY = 1\n")
+    knobs, span = forward_bench.find_knobs(src)
+    assert knobs == {"BLOCK": 64, "mlp": {"num_warps": 4, "stages": 3}, "s": "a"}
+    assert [p for p, _ in forward_bench.leaves(knobs)] == [("BLOCK",), ("mlp", "num_warps"), ("mlp", "stages")]
+    new = forward_bench.with_value(knobs, ("mlp", "stages"), 4)
+    out = forward_bench.rewrite_knobs(src, span, new)
+    assert forward_bench.find_knobs(out)[0] == new and out.startswith("import x\n# é\n") and out.endswith("Y = 1\n")
+    assert forward_bench.neighbours(64) == [128, 32] and forward_bench.neighbours(3) == [4, 2]
+    assert forward_bench.neighbours(True) == [False] and forward_bench.neighbours("a") == []
+    assert forward_bench.find_knobs("def forward(state, batch):\n    pass\n") is None
+
+
+def test_forward_bench_runs_on_cpu(tmp_path):
+    ref = (ROOT / "engine_server" / "models" / "llama.py").read_text()
+    (tmp_path / "knobbed.py").write_text("from engine_server.models import llama as ref\n\n"
+                                         "KNOBS = {'BLOCK_N': 64}\n\n\ndef forward(state, batch):\n"
+                                         "    return ref.forward(state, batch)\n")
+    (tmp_path / "copy.py").write_text(ref)
+    (tmp_path / "broken.py").write_text("def forward(state, batch):\n    raise RuntimeError('nope')\n")
+    env = dict(os.environ, TKCC_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "forward_bench.py"), "--shrink", "--device", "cpu",
+           "--skip-hf", "--compile-mode", "none", "--context", "16", "--steps", "6", "--repeats", "1",
+           "--budget-s", "3", "--no-full", "--winners-dir", str(tmp_path / "win"),
+           str(tmp_path / "knobbed.py"), str(tmp_path / "copy.py"), str(tmp_path / "broken.py")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = {w["name"]: w for w in res["winners"]}
+    assert rows["copy"]["gate"] == "bitwise" and rows["copy"]["bitwise"]["exact"]
+    assert rows["copy"]["tolerance"]["close"] and rows["copy"]["fast"]["ok"]
+    assert rows["copy"]["tokens_match_reference"] == 7
+    assert rows["knobbed"]["gate"] == "bitwise" and res["climb"]["trials"][0]["role"] == "start"
+    assert "nope" in rows["broken"]["error"]
+    assert res["reference"]["tok_s"] > 0 and res["baselines"]["compile"]["ok"]
+    assert {r["name"] for r in res["table"]} >= {"engine reference", "copy", "knobbed", "broken"}
+    assert (tmp_path / "win" / "copy.py").read_text() == ref and (tmp_path / "win" / "results.json").exists()
+    assert not (tmp_path / "win" / "broken.py").exists()
+    assert "x ref" in p.stdout
