@@ -118,6 +118,31 @@ def with_value(knobs: dict, path: tuple, value) -> dict:
     return new
 
 
+def is_candidate(source: str) -> bool:
+    """Defines `forward` at module level (a file that does not parse is a candidate: its row says why)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "forward":
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.ImportFrom)):
+            names = ([t for t in node.targets] if isinstance(node, ast.Assign) else
+                     [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == "forward" for t in names):
+                return True
+            if isinstance(node, ast.ImportFrom) and any((al.asname or al.name) == "forward" for al in node.names):
+                return True
+    return False
+
+
+def _get(knobs: dict, path: tuple):
+    for k in path:
+        knobs = knobs[k]
+    return knobs
+
+
 def neighbours(v) -> list:
     if isinstance(v, bool):
         return [not v]
@@ -333,50 +358,60 @@ class Run:
         log(f"   climb {stem}: start x{best['obj']:.4f} over the reference (batch-1 decode), gate {g['gate']}, "
             f"knobs {knobs0}")
         seen = {repr(knobs0)}
+        # coordinate descent: each knob in turn (sizes first, switches last), each direction
+        # followed while it wins; passes repeat while any move was kept and time is left
+        paths = sorted((p for p, _ in leaves(knobs0)), key=lambda p: isinstance(_get(knobs0, p), bool))
         improved = True
         while improved and time.perf_counter() < deadline and not self.cuda_broken:
             improved = False
-            for kpath, value in leaves(best["knobs"]):
-                for nv in neighbours(value):
-                    if time.perf_counter() >= deadline or self.cuda_broken:
-                        break
-                    trial_knobs = with_value(best["knobs"], kpath, nv)
-                    if repr(trial_knobs) in seen:
-                        continue
-                    seen.add(repr(trial_knobs))
-                    key = ".".join(map(str, kpath))
-                    src = rewrite_knobs(source, span, trial_knobs)
-                    t = self.try_candidate(f"{stem}[{key}={nv}]", src, best["cid"])
-                    t.update(file=str(path), knobs=trial_knobs, role="move", accepted=False)
-                    self.trials.append(t)
-                    out["trials"] += 1
-                    if t["ok"] and t["objective"] > best["obj"] * (1 + a.min_gain):
-                        m2 = self.eng.measure_fast(t["candidate_id"])  # confirm: noise should not win
-                        if m2.ok and m2.valid:
-                            t["samples"].append(objective(m2))
-                        t["objective"] = statistics.mean(t["samples"])
-                        if t["objective"] > best["obj"] * (1 + a.min_gain):
-                            g = gate(self.eng, t["candidate_id"], need=best["level"])
-                            t["gate"] = g["gate"]
-                            if g["level"] >= best["level"]:
-                                t["accepted"] = True
-                                self.remove(best["cid"])
-                                best = {"cid": t["candidate_id"], "obj": t["objective"], "knobs": trial_knobs,
-                                        "level": g["level"], "source": src}
-                                out["moves"] += 1
-                    log(f"   {t['name']:<44} {'x%.4f' % t['objective'] if t.get('objective') else 'failed':>9} "
-                        f"{'ACCEPT' if t['accepted'] else '':6} {t.get('gate', '')} {t.get('error') or ''}"[:220])
-                    if not t["accepted"]:
-                        self.remove(t.get("candidate_id"))
-                    else:
+            for kpath in paths:
+                for d in range(2):
+                    while time.perf_counter() < deadline and not self.cuda_broken:
+                        nbs = neighbours(_get(best["knobs"], kpath))
+                        if d >= len(nbs):
+                            break
+                        trial_knobs = with_value(best["knobs"], kpath, nbs[d])
+                        if repr(trial_knobs) in seen:
+                            break
+                        seen.add(repr(trial_knobs))
+                        t, best = self._move(path, stem, source, span, kpath, nbs[d], trial_knobs, best)
+                        out["trials"] += 1
+                        if not t["accepted"]:
+                            break
+                        out["moves"] += 1
                         improved = True
-                        break
-                if improved:
-                    break
         self.remove(best["cid"])
         out |= {"knobs": best["knobs"], "source": best["source"], "objective_start": start["objective"],
                 "objective_best": best["obj"]}
         return out
+
+    def _move(self, path: Path, stem: str, source: str, span, kpath: tuple, value, knobs: dict,
+              best: dict) -> tuple[dict, dict]:
+        """Try one knob value against the current best; returns (trial, new best)."""
+        key = ".".join(map(str, kpath))
+        src = rewrite_knobs(source, span, knobs)
+        t = self.try_candidate(f"{stem}[{key}={value}]", src, best["cid"])
+        t.update(file=str(path), knobs=knobs, role="move", accepted=False)
+        self.trials.append(t)
+        gain = 1 + self.a.min_gain
+        if t["ok"] and t["objective"] > best["obj"] * gain:
+            m2 = self.eng.measure_fast(t["candidate_id"])  # confirm: noise should not win
+            if m2.ok and m2.valid:
+                t["samples"].append(objective(m2))
+            t["objective"] = statistics.mean(t["samples"])
+            if t["objective"] > best["obj"] * gain:
+                g = gate(self.eng, t["candidate_id"], need=best["level"])
+                t["gate"] = g["gate"]
+                if g["level"] >= best["level"]:
+                    t["accepted"] = True
+        log(f"   {t['name']:<44} {'x%.4f' % t['objective'] if t.get('objective') else 'failed':>9} "
+            f"{'ACCEPT' if t['accepted'] else '':6} {t.get('gate', '')} {t.get('error') or ''}"[:220])
+        if not t["accepted"]:
+            self.remove(t.get("candidate_id"))
+            return t, best
+        self.remove(best["cid"])
+        return t, {"cid": t["candidate_id"], "obj": t["objective"], "knobs": knobs, "level": best["level"]
+                   if t.get("gate") is None else {"bitwise": 2, "tolerance": 1}.get(t["gate"], 0), "source": src}
 
     # ---- one clean evaluation of a source ------------------------------------------------
 
@@ -495,6 +530,7 @@ def main() -> int:
     p.add_argument("--no-full", action="store_true", help="leave out measure_full")
     p.add_argument("--call-timeout-s", type=float, default=90.0, help="per engine call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fast-rounds", type=int, default=0, help="the engine's fast-tier rounds (0: its default)")
     a = p.parse_args()
     t0 = time.perf_counter()
     res: dict = {"bench": "forward", "context": a.context, "steps": a.steps, "files": a.files}
@@ -505,7 +541,7 @@ def main() -> int:
 
     log(f"== forward bench: {a.model} on {a.device}, batch 1, context {a.context}, {a.steps} steps")
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, seed=a.seed,
-                              call_timeout_s=a.call_timeout_s))
+                              call_timeout_s=a.call_timeout_s, fast_rounds=a.fast_rounds))
     run = Run(eng, a, t0)
     res |= {"model": eng.model.name, "device": a.device, "dtype": eng.config.dtype,
             "startup_s": round(eng.startup_s, 2), "weights": eng.weights_source, "weight_bytes": eng.weight_bytes,
@@ -564,7 +600,8 @@ def main() -> int:
     checkpoint()
 
     # 3. the hill-climb, through the engine's tools
-    files = [Path(f) for f in a.files]
+    files = [Path(f) for f in a.files if is_candidate(_read(Path(f), "def forward(state, batch): ..."))]
+    res["not_candidates"] = [f for f in a.files if Path(f) not in files]  # helpers next to them: no `forward`
     est = a.winner_est_s or ((35.0 if not a.no_full else 13.0) if eng.cuda else 15.0)
     climbable = [f for f in files if (k := find_knobs(_read(f, ""))) and leaves(k[0])]
     climbs = {}

@@ -88,6 +88,9 @@ def test_knobs_rewrite_and_neighbours():
     assert forward_bench.neighbours(64) == [128, 32] and forward_bench.neighbours(3) == [4, 2]
     assert forward_bench.neighbours(True) == [False] and forward_bench.neighbours("a") == []
     assert forward_bench.find_knobs("def forward(state, batch):\n    pass\n") is None
+    assert forward_bench.is_candidate("def forward(state, batch):\n    pass\n")
+    assert forward_bench.is_candidate("from engine_server.models.llama import forward\n")
+    assert not forward_bench.is_candidate("def main():\n    pass\n")
 
 
 def test_forward_bench_runs_on_cpu(tmp_path):
@@ -97,11 +100,13 @@ def test_forward_bench_runs_on_cpu(tmp_path):
                                          "    return ref.forward(state, batch)\n")
     (tmp_path / "copy.py").write_text(ref)
     (tmp_path / "broken.py").write_text("def forward(state, batch):\n    raise RuntimeError('nope')\n")
+    (tmp_path / "helper.py").write_text("def main():\n    pass\n")
     env = dict(os.environ, TKCC_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "forward_bench.py"), "--shrink", "--device", "cpu",
            "--skip-hf", "--compile-mode", "none", "--context", "16", "--steps", "6", "--repeats", "1",
-           "--budget-s", "3", "--no-full", "--winners-dir", str(tmp_path / "win"),
-           str(tmp_path / "knobbed.py"), str(tmp_path / "copy.py"), str(tmp_path / "broken.py")]
+           "--budget-s", "3", "--no-full", "--fast-rounds", "5", "--winners-dir", str(tmp_path / "win"),
+           str(tmp_path / "knobbed.py"), str(tmp_path / "copy.py"), str(tmp_path / "broken.py"),
+           str(tmp_path / "helper.py")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
@@ -110,7 +115,8 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert rows["copy"]["tolerance"]["close"] and rows["copy"]["fast"]["ok"]
     assert rows["copy"]["tokens_match_reference"] == 7
     assert rows["knobbed"]["gate"] == "bitwise" and res["climb"]["trials"][0]["role"] == "start"
-    assert "nope" in rows["broken"]["error"]
+    assert "nope" in rows["broken"]["error"] and "helper" not in rows
+    assert res["not_candidates"] == [str(tmp_path / "helper.py")]
     assert res["reference"]["tok_s"] > 0 and res["baselines"]["compile"]["ok"]
     assert {r["name"] for r in res["table"]} >= {"engine reference", "copy", "knobbed", "broken"}
     assert (tmp_path / "win" / "copy.py").read_text() == ref and (tmp_path / "win" / "results.json").exists()
