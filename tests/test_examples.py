@@ -1,0 +1,195 @@
+"""The example candidates in examples/candidates/.
+
+1. Each installs in the CPU engine (the `llama_engine` fixture) and is bitwise exact there:
+   on the CPU without the Triton interpreter their decode path falls back to the reference.
+2. The ladder files are what make_ladder.py writes from llama_triton_decode.py.
+3. With `triton` importable, the Triton decode path itself runs under the Triton
+   interpreter (TRITON_INTERPRET=1, in a subprocess: it must be set before triton is
+   imported) on CPU tensors of a shrunk Llama, float32 and bfloat16, against the reference:
+   logits close with the same argmax, the K/V cells the step owns close, every other cache
+   cell untouched, the weights untouched; for B in {1, 3} rows of different context lengths,
+   a subset of the layers and zero layers, and knob variants that reach every kernel branch
+   (sequence splits with an empty split, online and exact softmax, split-K with a ragged
+   last split, tl.dot and FMA GEMV paths, the ladder's stages).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "candidates"
+CANDIDATES = sorted(p for p in EXAMPLES.glob("*.py") if "\ndef forward(" in p.read_text())
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def test_examples_exist():
+    names = {p.name for p in CANDIDATES}
+    assert {"llama_triton_decode.py", "llama_triton_attention.py", "llama_triton_attn_norm.py"} <= names
+
+
+@pytest.mark.parametrize("path", CANDIDATES, ids=lambda p: p.stem)
+def test_installs_and_is_bitwise_on_cpu(llama_engine, path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = llama_engine.submit_forward_pass(path.read_text(), name=path.stem)
+    assert r.ok, r.error
+    ex = llama_engine.check_bit_exact(r.candidate_id)
+    assert ex.exact, ex
+    tol = llama_engine.check_bit_exact(r.candidate_id, mode="tolerance")
+    assert tol.close and tol.tokens_equal, tol
+
+
+def test_ladder_files_are_current():
+    spec = importlib.util.spec_from_file_location("make_ladder", EXAMPLES / "make_ladder.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in mod.LADDER:
+        assert (EXAMPLES / name).read_text() == mod.render(name), f"{name} is stale: run make_ladder.py"
+
+
+# ---- the Triton kernels under the interpreter ------------------------------------------
+
+INTERPRETER_SCRIPT = r'''
+import json, os, sys
+assert os.environ.get("TRITON_INTERPRET") == "1"
+import numpy as np
+import triton.runtime.interpreter as _ti
+
+# Triton 3.x's interpreter turns a loaded scalar (a 1-element array) into a Python int with
+# int(array), which NumPy >= 2.3 refuses for arrays of one dimension; take the element.
+_orig_patch = _ti._patch_lang_tensor
+def _patch(tensor, scope):
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+_ti._patch_lang_tensor = _patch
+
+import torch
+from engine_server.candidate import load_module
+from engine_server.config import resolve_model, shrink
+from engine_server.models import llama as ref
+from engine_server.state import State, decode_batch, new_cache, prefill_batch
+from engine_server.weights import init_weights
+
+dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[2]]
+source = open(sys.argv[1]).read()
+cases = json.loads(sys.argv[3])
+torch.manual_seed(0)
+cfg = shrink(resolve_model("llama-3.2-1b")[0])
+weights = init_weights(cfg, 0, dtype, "cpu")
+MAX_SEQ, SLOTS = 64, 5  # slot 4: the padding slot, never used by these batches
+tables = ref.tables(cfg, weights, MAX_SEQ, dtype, "cpu")
+k, v = new_cache(cfg, SLOTS, MAX_SEQ, dtype, "cpu")
+g = torch.Generator().manual_seed(1)
+for t in k + v:  # noise in every cell, as the exactness check fills the cache
+    t.copy_(torch.randn(t.shape, generator=g) * 100)
+base = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
+LENS = [5, 40, 23]  # cached tokens of slots 0, 1, 2
+for slot, n in enumerate(LENS):
+    ref.forward(base, prefill_batch(torch.randint(0, cfg.vocab_size, (1, n), generator=g), torch.tensor([slot])))
+pristine = {name: t.clone() for name, t in weights.items()}
+
+def step(fwd, rows, layers):
+    st = State(cfg, weights, [t.clone() for t in k], [t.clone() for t in v], tables, layers)
+    slots = torch.tensor([2, 0, 1][:rows])  # rows in another order than their slots
+    lens = torch.tensor([LENS[s] for s in slots.tolist()])
+    out = fwd(st, decode_batch(torch.tensor([7, 11, 13][:rows]), lens, slots))
+    return out, st, slots, lens
+
+import time
+results = []
+for case in cases:
+    t0 = time.perf_counter()
+    mod = load_module("interp_" + str(len(results)), source)
+    for key, val in case.get("knobs", {}).items():
+        if isinstance(val, dict):
+            mod.KNOBS[key].update(val)
+        else:
+            mod.KNOBS[key] = val
+    layers = tuple(case["layers"]) if case.get("layers") is not None else base.layers
+    r, rs, slots, lens = step(ref.forward, case["rows"], layers)
+    c, cs, _, _ = step(mod.forward, case["rows"], layers)
+    owned = torch.zeros(SLOTS, MAX_SEQ, dtype=torch.bool)
+    owned[slots, lens] = True
+    kv_owned, kv_outside, kv_ref = 0.0, 0.0, 0.0
+    for a, b in zip(rs.k_cache + rs.v_cache, cs.k_cache + cs.v_cache):
+        d = (a.float() - b.float()).abs().amax(dim=(1, 3))  # [slots, positions]
+        kv_owned = max(kv_owned, d[owned].max().item())
+        kv_outside = max(kv_outside, d[~owned].max().item())
+        kv_ref = max(kv_ref, a.float().abs().amax(dim=(1, 3))[owned].max().item())
+    results.append(dict(
+        case=case, shape=list(c.shape), dtype=str(c.dtype),
+        max_diff=(r.float() - c.float()).abs().max().item(), max_ref=r.float().abs().max().item(),
+        bitwise=bool(torch.equal(r, c)), allclose=bool(torch.allclose(c.float(), r.float(), 1e-2, 1e-2)),
+        argmax_equal=bool(torch.equal(r.argmax(-1), c.argmax(-1))),
+        kv_owned_diff=kv_owned, kv_outside_diff=kv_outside, kv_owned_ref=kv_ref,
+        seconds=time.perf_counter() - t0,
+        weights_untouched=all(torch.equal(weights[n], t) for n, t in pristine.items()),
+        used_triton=mod._supported(cs, decode_batch(torch.tensor([1]), torch.tensor([1]), torch.tensor([0])))))
+print("RESULTS " + json.dumps(results))
+'''
+
+SPLITS = {"NSPLIT": 4, "BLOCK_S": 16}  # ctx 41 -> 3 splits busy, 1 empty
+ONLINE = {"EXACT_SOFTMAX": False}
+BF16_CASES = [
+    {"rows": 1},
+    {"rows": 3},
+    {"rows": 3, "layers": []},
+    {"rows": 2, "layers": [1, 3], "knobs": {"attn": SPLITS}},
+    {"rows": 2, "layers": [2], "knobs": {"attn": SPLITS | ONLINE}},
+    {"rows": 2, "layers": [2], "knobs": {"attn": {"NSPLIT": 1, "BLOCK_S": 16} | ONLINE}},
+    {"rows": 1, "layers": [0], "knobs": {"attn": {"NSPLIT": 1, "BLOCK_S": 16}, "gemv_dot_min_rows": 1,
+                                         "qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
+                                         "down": {"SPLIT_K": 5, "BLOCK_K": 32}}},
+    {"rows": 2, "layers": [3], "knobs": {"gemv_dot_min_rows": 4, "o": {"SPLIT_K": 3, "BLOCK_K": 16},
+                                         "lm_head": {"BLOCK_N": 16, "BLOCK_K": 64}}},
+    {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": False, "gemv": False}}},
+    {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": True, "gemv": False}}},
+]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7)]
+
+
+def run_interpreter(path: Path, dtype: str, cases: list[dict]) -> list[dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_LOG_LEVEL="WARNING",
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(path), dtype, json.dumps(cases)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_decode_under_the_interpreter(dtype):
+    cases = FP32_CASES if dtype == "float32" else BF16_CASES
+    results = run_interpreter(EXAMPLES / "llama_triton_decode.py", dtype, cases)
+    print()
+    for r in results:
+        print(dtype, json.dumps(r["case"]), f"max|diff| {r['max_diff']:.3g} (max|ref| {r['max_ref']:.3g}) "
+              f"bitwise {r['bitwise']} kv owned {r['kv_owned_diff']:.3g} ({r['seconds']:.1f} s)")
+    for r in results:
+        what = f"{dtype} {r['case']}"
+        assert r["used_triton"], what
+        assert r["shape"][0] == r["case"]["rows"] and r["dtype"] == f"torch.{dtype}", what
+        assert r["argmax_equal"], what
+        assert r["weights_untouched"], what
+        assert r["kv_outside_diff"] == 0.0, f"{what}: wrote K/V outside the batch's cells"
+        scale = max(1.0, r["max_ref"])
+        if dtype == "float32":
+            assert r["max_diff"] <= 1e-4 * scale, what
+            assert r["kv_owned_diff"] <= 1e-4 * max(1.0, r["kv_owned_ref"]), what
+        elif r["case"].get("knobs", {}).get("attn", {}).get("EXACT_SOFTMAX", True):
+            # rounded where the reference rounds: equal but for the odd last-bit flip
+            assert r["allclose"], what
+            assert r["kv_owned_diff"] <= 1e-2 * max(1.0, r["kv_owned_ref"]), what
+        else:
+            # online softmax rounds p before normalising: bf16 noise, a few ulps of the logits
+            assert r["max_diff"] <= 5e-2 * scale, what
+            assert r["kv_owned_diff"] <= 5e-2 * max(1.0, r["kv_owned_ref"]), what
