@@ -1,11 +1,12 @@
 """Tier fidelity: do fast-tier speedups rank candidates as the full tier does?
 
 Installs ~20 distinct candidates on one live engine: the offline agent's move combinations,
-and hand-written variants that add work per layer (both tiers see it), per forward pass (the
-fast tier, with fewer layers, sees it larger) or in prefill only (the fast tier's blind spot),
-then measures each on both tiers and reports the Spearman rank correlation.
+hand-written variants that add work per layer, per forward pass, in prefill only or in
+batched decode steps only (each one a way a cheaper tier can misjudge the full replay), and
+any candidate files given; measures each on both tiers and reports the Spearman rank
+correlation of their speedups.
 
-    python benchmarks/fidelity_bench.py --device cuda [--full-requests 8]
+    python benchmarks/fidelity_bench.py --device cuda [--full-requests 12] [examples/candidates/*.py]
 
 Prints a card, then one JSON line.
 """
@@ -68,6 +69,21 @@ def forward(state, batch):
 '''
 
 
+BATCH_WORK = '''
+import torch.nn.functional as F
+from engine_server.models import llama as ref
+from engine_server.models.common import lm_head_weight
+
+
+def forward(state, batch):
+    if batch.size > 1 and batch.seq_len == 1:  # extra work in batched decode steps only
+        x = F.embedding(batch.tokens, state.weights["model.embed_tokens.weight"])
+        for _ in range({k}):
+            F.linear(x, lm_head_weight(state))
+    return ref.forward(state, batch)
+'''
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(xs):
         order = sorted(range(len(xs)), key=lambda i: xs[i])
@@ -97,7 +113,8 @@ def candidates(device: str, n_moves: int) -> list[tuple[str, str]]:
     out = out[:: max(1, len(out) // n_moves)][:n_moves]
     out += [(f"layer-work-{k}", LAYER_WORK.format(k=k)) for k in (1, 2, 3, 4, 6)]
     out += [(f"forward-work-{k}", FORWARD_WORK.format(k=k)) for k in (1, 2, 4, 8)]
-    out += [(f"prefill-work-{k}", PREFILL_WORK.format(k=k)) for k in (2, 8)]
+    out += [(f"prefill-work-{k}", PREFILL_WORK.format(k=k)) for k in (1, 2, 4, 8)]
+    out += [(f"batch-work-{k}", BATCH_WORK.format(k=k)) for k in (2, 8)]
     return out
 
 
@@ -105,11 +122,13 @@ def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
     p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
+    p.add_argument("files", nargs="*", help="more candidates: forward-pass files (e.g. examples/candidates/*.py)")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
     rows = []
     t0 = time.perf_counter()
-    for name, src in candidates(a.device, a.moves):
+    extra = [(Path(f).stem, Path(f).read_text()) for f in a.files]
+    for name, src in candidates(a.device, a.moves) + extra:
         r = eng.submit_forward_pass(src, name=name)
         if not r.ok:
             print(f"{name}: install failed: {r.error.message[:200]}")

@@ -93,7 +93,7 @@ class EngineConfig:
     fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one)
     fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
     fast_rounds: int = 0  # timed A/B rounds (CPU 21, CUDA 15)
-    fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 20)
+    fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 10)
     warmup_rounds: int = 2  # rounds dropped
     full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)
     full_max_prompt: int = 0  # cap on prompt tokens (CPU 64, CUDA 2048)
@@ -118,7 +118,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
             max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 21, 15),
-            fast_iters=pick(self.fast_iters, 3, 20), full_requests=pick(self.full_requests, 10, 32),
+            fast_iters=pick(self.fast_iters, 3, 10), full_requests=pick(self.full_requests, 10, 32),
             full_max_prompt=pick(self.full_max_prompt, 64, 2048),
             full_max_output=pick(self.full_max_output, 8, 64),
             exact_max_prompt=pick(self.exact_max_prompt, 48, 512),

@@ -237,7 +237,8 @@ class Engine:
     def _capture(self, cand: cands.Candidate) -> None:
         graphs = StepGraphs(cand.forward, self.inputs, self.pool)
         sizes = {(self.state.layers, b) for b in self.graph_sizes}
-        sizes |= {(self.fast_layers, s.size) for s in self.fast_setup.shapes}
+        decode = [s.size for s in self.fast_setup.shapes if not s.prefill]
+        sizes |= {(layers, b) for layers in (self.fast_layers, ()) for b in decode}
         for b, static in self.inputs.batches.items():  # padding-slot inputs: captures write there only
             static.slots.fill_(self.pad_slot)
             static.positions.fill_(1)

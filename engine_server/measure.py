@@ -1,9 +1,13 @@
 """Two measurement tiers, reference and candidate A/B in the same call, on real traffic.
 
-Fast tier (`fast`): the decode step on a subset of the layers (engine.fast_layers, about a
-fifth, at least one), over a few traffic-shaped decode batches: context lengths at
-quantiles of the trace's prompt lengths, batch 1 and a batch of the trace's concurrency,
-KV cache prefilled by the reference from real prompt text. Seconds.
+Fast tier (`fast`): an estimate of the full tier's speedup in seconds. Shapes: decode
+batches at context lengths sampled from the trace (batch 1 and a batch of the trace's
+concurrency) and one prefill at the mean prompt length, capped as the full tier caps them,
+KV cache prefilled by the reference from real prompt text. Each decode shape is timed on a
+subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
+time is extrapolated from the two (per-forward work once, per-layer work L times) and
+checked against one timed full-depth step. The prefill runs at full depth (one eager pass).
+The shapes are weighted by how many ops of their kind the full tier's schedule holds.
 
 Full tier (`full`): all layers, a replay of the trace: its first requests, lengths capped by
 config, arrivals in trace time, up to max_batch requests decoding together. The schedule
@@ -32,6 +36,8 @@ from engine_server.results import MeasureResult, ShapeTiming
 from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
+# a full-depth step may take this much more than extrapolated, relative to the reference's
+DEPTH_SLACK = {"cuda": 1.25, "cpu": 2.0}
 
 
 class CandidateFailure(Exception):
@@ -90,8 +96,10 @@ def bootstrap_median(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[flo
 @dataclass
 class Shape:
     name: str
-    batch: Batch  # decode batch: real next tokens at each row's context length
+    batch: Batch  # decode: real next tokens at each row's context length; prefill: one prompt
     contexts: list[int]
+    prefill: bool = False
+    weight: float = 1.0  # how many ops of this kind the full tier's replay runs (see FastSetup.weigh)
 
     @property
     def size(self) -> int:
@@ -100,21 +108,29 @@ class Shape:
 
 @dataclass
 class FastSetup:
+    """The fast tier's shapes, the cache they read, and what a full-depth step must read.
+
+    Each decode shape is timed at the fast layers (k of them) and at no layers at all; the
+    pass's full-depth time is extrapolated as t0 + (tk - t0) * L / k, so per-forward work
+    (embedding, final norm, lm_head) counts once and per-layer work L times, as in the
+    full tier. The prefill shape is timed at full depth. Shapes are weighted by how often the full tier's replay runs their kind of
+    op (prefill tokens, single-row and batched decode steps), read off its schedule."""
     shapes: list[Shape]
     kv: tuple  # cache snapshot after the reference prefilled every shape's rows
     experts_active: float | None = None
-    step_bytes: int = 0  # weight bytes one fast-tier decode step must read
+    step_bytes: int = 0  # weight bytes any full-depth step must read (a floor)
+    weighted: bool = False
 
     @classmethod
     def build(cls, eng) -> "FastSetup":
+        from engine_server.traffic import cap
         cfg, state = eng.config, eng.state
-        reqs = [r for r in _sample(eng, max(1, cfg.fast_contexts))]
-        ctx = [max(1, min(r.prompt_len, state.max_seq - 2)) for r in reqs]
+        limit = max(1, min(cfg.full_max_prompt, state.max_seq - 2))  # the traffic the full tier replays
+        ctx = [max(1, min(r.prompt_len, limit)) for r in _sample(eng, max(1, cfg.fast_contexts))]
         wide = min(cfg.max_batch - len(ctx), max(2, round(eng.traffic.profile.concurrency)))
         groups = [[c] for c in sorted(set(ctx))]
         if wide > 1:
-            many = _sample(eng, wide, seed=1)
-            groups.append([max(1, min(r.prompt_len, state.max_seq - 2)) for r in many])
+            groups.append([max(1, min(r.prompt_len, limit)) for r in _sample(eng, wide, seed=1)])
         shapes, slot = [], 0
         with torch.no_grad():
             for contexts in groups:
@@ -128,15 +144,41 @@ class FastSetup:
                 t, p, s = (torch.tensor(x, device=eng.device) for x in zip(*rows))
                 name = f"decode B={len(rows)} ctx={','.join(map(str, contexts))}"
                 shapes.append(Shape(name, decode_batch(t, p, s), contexts))
+        reqs = cap(eng.traffic.trace, cfg.full_max_prompt, cfg.full_max_output, cfg.full_requests).requests
+        plen = max(1, min(round(statistics.mean(r.prompt_len for r in reqs)), limit))
+        prompt = torch.tensor([eng.traffic.tokens(plen, 7)], device=eng.device)
+        # the padding slot: nothing the decode shapes read
+        shapes.append(Shape(f"prefill T={plen}", prefill_batch(prompt, torch.tensor([eng.pad_slot], device=eng.device)),
+                            [plen], prefill=True))
         setup = cls(shapes, state.clone_cache())
         if eng.model.is_moe:
-            setup.experts_active = _experts_active(eng, shapes)
+            setup.experts_active = _experts_active(eng, [s for s in shapes if not s.prefill])
             state.load_cache(*setup.kv)
+        # a floor, so MoE experts (a step reads only the routed ones) are left out
         layer_bytes = sum(t.numel() * t.element_size() for k, t in state.weights.items()
-                          if any(f".{i}." in k for i in eng.fast_layers) and ".layers." in k or ".h." in k)
+                          if (".layers." in k or ".h." in k) and ".experts." not in k)
         head = eng.model.vocab_size * eng.model.hidden_size * state.weights[next(iter(state.weights))].element_size()
         setup.step_bytes = layer_bytes + head
         return setup
+
+    def weigh(self, sched: "Schedule") -> None:
+        """Weights from the full tier's schedule: the prefill shape counts for all prefill
+        tokens (prefill time grows with tokens), single-row decode ops are shared by the
+        batch-1 shapes, batched ones go to the wide shape."""
+        pre = [op for op in sched.ops if op.kind == "prefill"]
+        dec = [op for op in sched.ops if op.kind == "decode"]
+        one = [s for s in self.shapes if not s.prefill and s.size == 1]
+        wide = [s for s in self.shapes if not s.prefill and s.size > 1]
+        n_one = sum(1 for op in dec if len(op.reqs) == 1)
+        n_wide = len(dec) - n_one
+        if not wide:
+            n_one, n_wide = len(dec), 0
+        for s in self.shapes:
+            if s.prefill:
+                s.weight = sum(op.batch.seq_len for op in pre) / s.batch.seq_len
+            else:
+                s.weight = (n_one / len(one)) if s.size == 1 else n_wide / len(wide)
+        self.weighted = True
 
 
 def _sample(eng, n: int, seed: int = 0):
@@ -156,8 +198,9 @@ def _experts_active(eng, shapes: list[Shape]) -> float:
 
 
 def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
-    """Seconds per decode step of `cand` on `shape` (graph replay + CUDA events on CUDA)."""
-    if eng.cuda and cand.graphs is not None and cand.graphs.has(state, shape.size):
+    """Seconds per step of `cand` on `shape` (decode: graph replay + CUDA events on CUDA;
+    prefill: eager, as the full tier runs it)."""
+    if eng.cuda and not shape.prefill and cand.graphs is not None and cand.graphs.has(state, shape.size):
         eng.inputs.fill(shape.batch)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -166,6 +209,7 @@ def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
+    iters = 1 if shape.prefill else iters
     if eng.cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -176,11 +220,16 @@ def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def run_step(eng, cand, state, batch: Batch) -> torch.Tensor:
+def depth_estimate(t0: float, tk: float, k: int, layers: int) -> float:
+    """Full-depth time from the time at no layers (t0) and at k layers (tk)."""
+    return t0 + max(0.0, tk - t0) * layers / k
+
+
+def run_step(eng, cand, state, batch: Batch, pause_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
     """One forward pass through the same path timing uses (graph if captured), settled."""
     if eng.cuda and cand.graphs is not None:
-        return call(settled, lambda: cand.graphs.run(state, batch))
-    return call(settled, lambda: cand.forward(state, batch))
+        return call(settled, lambda: cand.graphs.run(state, batch), pause_s)
+    return call(settled, lambda: cand.forward(state, batch), pause_s)
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[str, float]:
@@ -197,57 +246,102 @@ def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[st
 
 def fast(eng, cand) -> MeasureResult:
     cfg, setup = eng.config, eng.fast_setup
+    if not setup.weighted:
+        if eng.replay_schedule is None:
+            eng.replay_schedule = build_schedule(eng)
+        setup.weigh(eng.replay_schedule)
     ref = eng.candidates["reference"]
-    sides = {"ref": (ref, eng.candidate_state(ref, eng.fast_layers)),
-             "cand": (cand, eng.candidate_state(cand, eng.fast_layers))}
+    L, k = len(eng.state.layers), len(eng.fast_layers)
+    # decode shapes run at the fast layers ("k") and at none ("0"); prefill (one eager pass,
+    # cheap next to the decode iterations) at full depth ("L")
+    depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
+    plan = [(d, sh) for sh in setup.shapes for d in (("L",) if sh.prefill else ("k", "0"))]
+    sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
+             for side, c in (("ref", ref), ("cand", cand))}
     eng.state.load_cache(*setup.kv)
-    times = {s: {sh.name: [] for sh in setup.shapes} for s in sides}
+    raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
     for r in range(cfg.warmup_rounds + cfg.fast_rounds):
         order = ("ref", "cand") if r % 2 == 0 else ("cand", "ref")
         for side in order:
-            c, st = sides[side]
-            for sh in setup.shapes:
-                t = _time_steps(eng, c, st, sh, cfg.fast_iters)
+            c, states = sides[side]
+            for d, sh in plan:
+                t = _time_steps(eng, c, states[d], sh, cfg.fast_iters)
                 if r >= cfg.warmup_rounds:
-                    times[side][sh.name].append(t)
+                    raw[side][d, sh.name].append(t)
+
+    def estimate(s: str, sh: Shape) -> list[float]:
+        if sh.prefill:
+            return raw[s]["L", sh.name]
+        return [depth_estimate(a, b, k, L) for a, b in zip(raw[s]["0", sh.name], raw[s]["k", sh.name])]
+    # full-depth estimate of every sample: the paired rounds stay paired
+    est = {s: {sh.name: estimate(s, sh) for sh in setup.shapes} for s in sides}
     res = MeasureResult(candidate_id=cand.id, tier="fast", ok=True, samples=cfg.fast_rounds,
                         layers=list(eng.fast_layers), config=_config(eng))
-    tot = {s: [sum(times[s][sh.name][i] for sh in setup.shapes) for i in range(cfg.fast_rounds)] for s in sides}
-    med_ref, med_cand = statistics.median(tot["ref"]), statistics.median(tot["cand"])
-    tokens = sum(sh.size for sh in setup.shapes)
+    tot = {s: [sum(sh.weight * est[s][sh.name][i] for sh in setup.shapes) for i in range(cfg.fast_rounds)]
+           for s in sides}
     # paired per round: drift of the machine between rounds cancels in each ratio
-    ratios = [a / b for a, b in zip(tot["ref"], tot["cand"])]
+    ratios = [a / b if b > 0 else float("inf") for a, b in zip(tot["ref"], tot["cand"])]
     res.speedup = statistics.median(ratios)
     res.speedup_ci95 = bootstrap_median(ratios)
-    res.step_ms = med_cand / len(setup.shapes) * 1e3
-    res.reference_step_ms = med_ref / len(setup.shapes) * 1e3
-    res.tokens_per_s, res.reference_tokens_per_s = tokens / med_cand, tokens / med_ref
+    decode = [sh for sh in setup.shapes if not sh.prefill]
+    med = {s: {sh.name: statistics.median(est[s][sh.name]) for sh in setup.shapes} for s in sides}
+    res.step_ms = statistics.mean(med["cand"][sh.name] for sh in decode) * 1e3
+    res.reference_step_ms = statistics.mean(med["ref"][sh.name] for sh in decode) * 1e3
+    tokens = sum(sh.size for sh in decode)
+    res.tokens_per_s = tokens / sum(med["cand"][sh.name] for sh in decode)
+    res.reference_tokens_per_s = tokens / sum(med["ref"][sh.name] for sh in decode)
     res.experts_active = setup.experts_active
     for sh in setup.shapes:
-        c_t, r_t = times["cand"][sh.name], times["ref"][sh.name]
-        mc, mr = statistics.median(c_t), statistics.median(r_t)
+        mc, mr = med["cand"][sh.name], med["ref"][sh.name]
         res.shapes.append(ShapeTiming(shape=sh.name, batch=sh.size, context=max(sh.contexts), step_ms=mc * 1e3,
-                                      reference_step_ms=mr * 1e3, speedup=mr / mc, spread_ms=iqr(c_t) * 1e3,
-                                      tokens_per_s=sh.size / mc))
-    # the timed outputs, against the reference's from the same cache
+                                      reference_step_ms=mr * 1e3, speedup=mr / mc if mc > 0 else float("inf"),
+                                      spread_ms=iqr(est["cand"][sh.name]) * 1e3, weight=round(sh.weight, 3),
+                                      tokens_per_s=(sh.size if not sh.prefill else sh.batch.seq_len) / mc
+                                      if mc > 0 else 0.0))
+    # the timed outputs, against the reference's from the same cache; the first run of each
+    # side waits for stray threads and streams to land (guards.settled), the rest need not
     worst = "bitwise"
-    for sh in setup.shapes:
+    for i, (d, sh) in enumerate(plan):
         outs = {}
         for side in ("cand", "ref"):
             eng.state.load_cache(*setup.kv)
-            out, viol = run_step(eng, sides[side][0], sides[side][1], sh.batch)
+            out, viol = run_step(eng, sides[side][0], sides[side][1][d], sh.batch, pause_s=0.05 if i == 0 else 0.0)
             res.violations += viol
             outs[side] = out
         verdict, diff = compare(outs["ref"], outs["cand"])
         if verdict == "differ":
-            res.violations.append(f"timed outputs differ from the reference's on {sh.name} "
+            where = {"k": "the fast layers", "0": "no layers", "L": "all layers"}[d]
+            res.violations.append(f"timed outputs differ from the reference's on {sh.name} at {where} "
                                   f"(max abs diff {diff:.3g}): it computes something else when measured")
         worst = max(worst, verdict, key=("bitwise", "close", "differ").index)
     res.outputs_match = worst
+    _depth_check(eng, res, setup, sides, med)
     _plausibility(eng, res, setup)
     res.valid = not res.violations
     eng.state.load_cache(*setup.kv)
     return res
+
+
+def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict, med: dict, reps: int = 5) -> None:
+    """The extrapolation holds only if time grows with the layers run: a pass that pads its
+    no-layer step (or slows down at full depth) would look faster than it is. Times one
+    full-depth batch-1 decode shape for both sides (interleaved) and compares their
+    measured/estimated ratios; the slack is wider on the CPU, whose timings are noisier."""
+    sh = next(s for s in setup.shapes if not s.prefill)
+    times = {side: [] for side in sides}
+    eng.state.load_cache(*setup.kv)
+    for r in range(reps):
+        for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
+            c = sides[side][0]
+            times[side].append(_time_steps(eng, c, sides[side][1]["L"], sh, eng.config.fast_iters))
+    ratio = {s: statistics.median(times[s]) / med[s][sh.name] if med[s][sh.name] > 0 else float("inf")
+             for s in sides}
+    res.config["depth_check"] = {s: round(r, 3) for s, r in ratio.items()}
+    slack = DEPTH_SLACK["cuda" if eng.cuda else "cpu"]
+    if ratio["cand"] > slack * ratio["ref"]:
+        res.violations.append(f"{sh.name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
+                              f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
+                              f"does not grow with the layers it runs as it should")
 
 
 def _plausibility(eng, res: MeasureResult, setup: FastSetup) -> None:
@@ -265,7 +359,9 @@ def _config(eng) -> dict:
     c = eng.config
     return {"model": eng.model.name, "model_type": eng.model.model_type, "device": c.device, "dtype": c.dtype,
             "traffic": c.traffic, "fast_layers": list(eng.fast_layers), "rounds": c.fast_rounds,
-            "iters": c.fast_iters, "warmup_rounds": c.warmup_rounds, "graphs": eng.cuda and c.capture_graphs}
+            "iters": c.fast_iters, "warmup_rounds": c.warmup_rounds, "graphs": eng.cuda and c.capture_graphs,
+            "depth": "t0 + (tk - t0) * L / k from no layers and the fast layers",
+            "weights": {s.name: round(s.weight, 3) for s in eng.fast_setup.shapes}}
 
 
 # ---- full tier -----------------------------------------------------------------------

@@ -89,6 +89,7 @@ class ShapeTiming(BaseModel):
     speedup: float
     spread_ms: float = Field(description="interquartile range of the candidate's samples")
     tokens_per_s: float
+    weight: float = Field(1.0, description="fast tier: ops of this kind in the full tier's replay")
 
 
 class MeasureResult(BaseModel):

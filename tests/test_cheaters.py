@@ -12,6 +12,7 @@ EXPECT = {  # a word the violation or error must contain: it names what the chea
     "kv_outside": "outside its cache cells",
     "side_stream": "unsynchronised",
     "timer_patch": "perf_counter",
+    "depth_padder": "grow with the layers",
 }
 
 

@@ -9,9 +9,9 @@ so it cannot read the reference's answer for the same inputs.
 
 Compared with `torch.equal`: the logits of every prefill and decode step, the greedy token
 streams, and the whole KV cache afterwards (K/V written outside the batch's cells, or
-wrong, differ). Then two probes: the fast tier's layer subset (a candidate must honour
-`state.layers`), and a step re-run on a changed cache, whose output must change exactly as
-the reference's does (results kept across calls are caught). Tolerance mode reports
+wrong, differ). Then two probes: the fast tier's layer subsets, its layers and none (a
+candidate must honour `state.layers`), and a step re-run on a changed cache, whose output
+must change exactly as the reference's does (results kept across calls are caught). Tolerance mode reports
 closeness (`close`) but `exact` stays bitwise.
 """
 
@@ -124,17 +124,21 @@ def check(eng, cand, mode: str = "bitwise", atol: float = 1e-2, rtol: float = 1e
     if not res.kv_equal:
         res.violations.append(_kv_report(eng, r_kv, c_kv, prompts, cfg.exact_steps))
 
-    # probe 1: the fast tier's layer subset
-    sub = {}
-    for name, c in (("cand", cand), ("ref", ref)):
-        eng.state.load_cache(*noise)
-        st = eng.candidate_state(c, eng.fast_layers)
-        b = prefill_batch(torch.tensor([prompts[0]], device=eng.device), torch.tensor([0], device=eng.device))
-        sub[name] = call(lambda: c.forward(st, b)).detach().clone()
-    if not torch.equal(sub["ref"], sub["cand"]) and res.first_mismatch is None:
-        res.violations.append(f"does not honour state.layers: on the fast tier's layers {list(eng.fast_layers)} "
-                              f"its logits differ from the reference's")
-        diff.logits("layers-subset", 0, sub["ref"], sub["cand"])
+    # probe 1: the fast tier's layer subsets (its layers, and none: it extrapolates from both)
+    for layers in (eng.fast_layers, ()):
+        sub = {}
+        for name, c in (("cand", cand), ("ref", ref)):
+            eng.state.load_cache(*noise)
+            st = eng.candidate_state(c, layers)
+            b = prefill_batch(torch.tensor([prompts[0]], device=eng.device), torch.tensor([0], device=eng.device))
+            sub[name] = call(lambda: c.forward(st, b)).detach().clone()
+        if not torch.equal(sub["ref"], sub["cand"]):
+            # a violation when everything else matched, or (tolerance) when this is what is not close
+            first, was_close = res.first_mismatch is None, diff.close
+            diff.logits("layers-subset", 0, sub["ref"], sub["cand"])
+            if first or (was_close and not diff.close):
+                res.violations.append(f"does not honour state.layers: on layers {list(layers)} "
+                                      f"its logits differ from the reference's")
 
     # probe 2: the same step on a changed cache must change the output as the reference's does
     probe = {}
