@@ -113,10 +113,10 @@ class Engine:
     def measure_full(self, candidate_id: str) -> MeasureResult:
         return self._run_checked(candidate_id, "full", measure.full)
 
-    def check_bit_exact(self, candidate_id: str, mode: str = "bitwise", atol: float = 1e-2,
-                        rtol: float = 1e-2) -> ExactResult:
+    def check_bit_exact(self, candidate_id: str, mode: str = "bitwise", factor: float = 2.0,
+                        floor: float = 1e-3) -> ExactResult:
         def run(eng, cand):
-            return exact.check(eng, cand, mode=mode, atol=atol, rtol=rtol)
+            return exact.check(eng, cand, mode=mode, factor=factor, floor=floor)
         return self._run_checked(candidate_id, "exact", run)
 
     def rollback(self, candidate_id: str = REFERENCE) -> dict:
@@ -249,10 +249,20 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - not capturable: it runs eagerly, and says so
             graphs.clear()
             torch.cuda.synchronize()
+            self._fresh_pool()
             cand.notes.append(f"not capturable in a CUDA graph, runs eagerly: {type(e).__name__}: "
                               f"{str(e)[:300]}")
             return
         cand.graphs = graphs
+
+    def _fresh_pool(self) -> None:
+        """After a failed capture: the allocator may still be recording into the graph pool
+        (a capture that raised in its end keeps its pool id registered), and the next
+        capture into that id would fail. End that recording and use a new pool from here on;
+        graphs already captured keep the old one alive."""
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(self.device.index or torch.cuda.current_device(), self.pool)
+        self.pool = torch.cuda.graph_pool_handle()
 
     def _run_checked(self, candidate_id: str, what: str, fn):
         """Run a measurement or check with the guards around it; failures become results."""

@@ -120,6 +120,8 @@ class MeasureResult(BaseModel):
     reference_throughput_tps: float | None = None
     tokens_match: float | None = Field(None, description="share of replay steps whose greedy token equals "
                                                          "the reference's")
+    near_ties: int | None = Field(None, description="replay steps whose differing tokens the reference ranks "
+                                                    "within 2% of its top logit (allowed)")
     experts_active: float | None = Field(None, description="MoE: distinct experts per layer per step (mean)")
     seconds: float = 0.0
     hardware: Hardware | None = None
@@ -140,7 +142,14 @@ class ExactResult(BaseModel):
     ok: bool = Field(description="the check ran to the end (false: the candidate failed to run)")
     exact: bool = Field(False, description="bitwise equal logits and greedy tokens, and no violation")
     mode: str = "bitwise"
-    close: bool | None = Field(None, description="tolerance mode: within atol/rtol (never counts as exact)")
+    close: bool | None = Field(None, description="tolerance mode: on every step no further from the reference run "
+                                                 "in a wider dtype than `factor` times the reference itself, and "
+                                                 "identical greedy tokens (never counts as exact)")
+    candidate_error: float | None = Field(None, description="tolerance mode: max |candidate - wide reference|")
+    reference_error: float | None = Field(None, description="tolerance mode: max |reference - wide reference|")
+    tolerance_used: float | None = Field(None, description="tolerance mode: worst step's candidate error over its "
+                                                           "bound (at most 1 passes)")
+    tolerance: dict | None = Field(None, description="tolerance mode: factor, floor and the wide dtype")
     steps: int = 0
     rows: int = 0
     tokens_equal: bool = False

@@ -278,10 +278,10 @@ class Supervisor:
         return self._measured("measure_full", MeasureResult, candidate_id, {"tier": "full", "valid": False},
                               agent_id=agent_id)
 
-    def _check_bit_exact(self, candidate_id: str, mode: str = "bitwise", atol: float = 1e-2,
-                         rtol: float = 1e-2, agent_id: str | None = None) -> dict:
+    def _check_bit_exact(self, candidate_id: str, mode: str = "bitwise", factor: float = 2.0,
+                         floor: float = 1e-3, agent_id: str | None = None) -> dict:
         return self._measured("check_bit_exact", ExactResult, candidate_id, {}, agent_id=agent_id,
-                              mode=mode, atol=atol, rtol=rtol)
+                              mode=mode, factor=factor, floor=floor)
 
     def _rollback(self, candidate_id: str = "reference", agent_id: str | None = None) -> dict:
         with self.device_lock:
