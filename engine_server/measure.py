@@ -13,7 +13,9 @@ Full tier (`full`): all layers, a replay of the trace: its first requests, lengt
 config, arrivals in trace time, up to max_batch requests decoding together. The schedule
 (which rows run in which step) is fixed by a first reference pass, so both sides replay the
 same operations; each operation is timed and the virtual clock gives per-user tokens/s,
-time to first token and throughput for each side.
+time to first token and throughput for each side. Greedy tokens must equal the
+reference's at every step, or differ only at near ties (`near_tie`: what another
+summation order can flip in a pass that is close but not bitwise).
 
 Both: rounds alternate which side goes first; warm-up dropped; medians with spread;
 speedup = reference time / candidate time with a paired bootstrap 95% interval. On CUDA the
@@ -37,7 +39,11 @@ from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
 # a full-depth step may take this much more than extrapolated, relative to the reference's
-DEPTH_SLACK = {"cuda": 1.25, "cpu": 2.0}
+DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.5}
+# full tier: a greedy token that differs from the reference's is a near tie (not a violation)
+# when the reference itself ranks it among its top NEAR_TIE_K within NEAR_TIE_REL of its
+# top logit: what rounding in another summation order can flip (tolerance-gated passes)
+NEAR_TIE_K, NEAR_TIE_REL = 8, 0.02
 
 
 class CandidateFailure(Exception):
@@ -451,8 +457,9 @@ def _run_op(eng, cand, state, op: Op) -> torch.Tensor:
     return call(cand.forward, state, op.batch)
 
 
-def _replay(eng, cand, sched: Schedule) -> tuple[list[float], list[torch.Tensor]]:
-    """Per-op seconds and greedy tokens of the real rows."""
+def _replay(eng, cand, sched: Schedule, top: int = 1) -> tuple[list[float], list]:
+    """Per-op seconds and, per op, the real rows' `top` largest logits and their token ids
+    (`torch.topk`, outside the timed events; [:, 0] is the greedy token)."""
     st = eng.candidate_state(cand)
     tokens = []
     if eng.cuda:
@@ -462,7 +469,7 @@ def _replay(eng, cand, sched: Schedule) -> tuple[list[float], list[torch.Tensor]
             a.record()
             out = _run_op(eng, cand, st, op)
             b.record()
-            tokens.append(out[:len(op.reqs)].argmax(-1))
+            tokens.append(out[:len(op.reqs)].topk(top, -1))
         torch.cuda.synchronize()
         return [a.elapsed_time(b) / 1e3 for a, b in evs], tokens
     secs = []
@@ -470,7 +477,7 @@ def _replay(eng, cand, sched: Schedule) -> tuple[list[float], list[torch.Tensor]
         t = time.perf_counter()
         out = _run_op(eng, cand, st, op)
         secs.append(time.perf_counter() - t)
-        tokens.append(out[:len(op.reqs)].argmax(-1))
+        tokens.append(out[:len(op.reqs)].topk(top, -1))
     return secs, tokens
 
 
@@ -492,6 +499,20 @@ def user_metrics(sched: Schedule, secs: list[float], speed: float) -> dict:
             "throughput": sum(count.values()) / clock if clock > 0 else 0.0}
 
 
+def near_tie(ref_top, cand_tokens: torch.Tensor) -> bool:
+    """Every row whose greedy token differs picked one the reference ranks within
+    NEAR_TIE_REL of its own top logit (among its top NEAR_TIE_K)."""
+    vals, idx = ref_top.values.float(), ref_top.indices
+    for row in (idx[:, 0] != cand_tokens).nonzero().flatten().tolist():
+        hit = (idx[row] == cand_tokens[row]).nonzero()
+        if len(hit) == 0:
+            return False
+        top, theirs = vals[row, 0].item(), vals[row, hit[0, 0]].item()
+        if top - theirs > NEAR_TIE_REL * max(1.0, abs(top)):
+            return False
+    return True
+
+
 def full(eng, cand) -> MeasureResult:
     cfg = eng.config
     if eng.replay_schedule is None:
@@ -503,7 +524,8 @@ def full(eng, cand) -> MeasureResult:
     _replay(eng, cand, sched)  # the candidate's warm-up (the reference's was the schedule pass)
     for r in range(cfg.full_reps):
         for side in (("cand", "ref") if r % 2 == 0 else ("ref", "cand")):
-            secs, t = _replay(eng, cand if side == "cand" else ref, sched)
+            secs, t = _replay(eng, cand if side == "cand" else ref, sched,
+                              top=min(NEAR_TIE_K, eng.model.vocab_size) if r == 0 else 1)
             runs[side].append(secs)
             toks.setdefault(side, t)
     n = len(sched.ops)
@@ -528,13 +550,19 @@ def full(eng, cand) -> MeasureResult:
     res.ttft_ms_p50 = mc["ttft_p50"] * 1e3 if mc["ttft_p50"] is not None else None
     res.ttft_ms_p90 = mc["ttft_p90"] * 1e3 if mc["ttft_p90"] is not None else None
     res.throughput_tps, res.reference_throughput_tps = mc["throughput"], mr["throughput"]
-    same = sum(bool(torch.equal(a, b)) for a, b in zip(toks["ref"], toks["cand"]))
-    res.tokens_match = same / max(1, n)
-    if res.tokens_match < 1.0:
+    same = ties = 0
+    for r_top, c_top in zip(toks["ref"], toks["cand"]):
+        if torch.equal(r_top.indices[:, 0], c_top.indices[:, 0]):
+            same += 1
+        elif near_tie(r_top, c_top.indices[:, 0]):
+            ties += 1
+    res.tokens_match, res.near_ties = same / max(1, n), ties
+    if same + ties < n:
         res.outputs_match = "differ"
-        res.violations.append(f"greedy tokens differ from the reference's in {n - same} of {n} replay steps")
+        res.violations.append(f"greedy tokens differ from the reference's in {n - same} of {n} replay steps "
+                              f"({ties} of them near ties)")
     else:
-        res.outputs_match = "tokens"
+        res.outputs_match = "tokens" if same == n else "tokens-near-ties"
     res.experts_active = eng.fast_setup.experts_active
     if res.speedup > cfg.implausible_speedup:
         res.violations.append(f"implausible speedup {res.speedup:.1f}x")
