@@ -91,3 +91,20 @@ def test_serving_batches_through_graphs_and_promotes_without_failures(tmp_path):
         assert max(s.rows for s in svc.scheduler.steps) > 1  # rows shared a decode step
     finally:
         svc.close()
+
+
+def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
+    """Not bitwise (another summation order), but no further from the float32 reference than
+    twice the bf16 reference, identical tokens, and valid on both tiers (near ties allowed)."""
+    from conftest import ROOT
+    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    r = cuda_engine.submit_forward_pass(src, name="triton-decode")
+    assert r.ok and r.graphs, r
+    assert not cuda_engine.check_bit_exact(r.candidate_id).exact
+    tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
+    assert tol.close and tol.tokens_equal and 0 < tol.tolerance_used <= 1.0, tol
+    assert tol.tolerance["wide_dtype"] == "torch.float32"
+    fm = cuda_engine.measure_fast(r.candidate_id)
+    assert fm.valid and fm.outputs_match == "close", fm
+    full = cuda_engine.measure_full(r.candidate_id)
+    assert full.valid and full.outputs_match in ("tokens", "tokens-near-ties"), full

@@ -1,6 +1,6 @@
 """Ladder step 2 of 3: attention as in step 1, plus the embedding lookup, residual adds
 and RMSNorms fused into one Triton kernel per norm; the projections stay cuBLAS.
-Expected gate: on CUDA `close` with identical tokens; on the CPU bitwise.
+Gate: on CUDA the tolerance gate (`close`, identical tokens); on the CPU bitwise.
 
 Llama decode in Triton: fused RMSNorm, bandwidth GEMVs, RoPE + K/V write, flash-decode.
 
@@ -38,6 +38,13 @@ positions 0..positions[b] only (a loop bound read on the device: no host sync, s
 is CUDA-graph capturable); nothing is kept across calls (buffers are allocated per call, the
 kernels are compiled per shape during the engine's warm-up, no autotuning); any batch size.
 
+Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512; `bash benchmarks/h200.sh
+forward`, benchmarks/results/h200_forward_llama-3.2-1b.json): 921 tok/s (1,086 us a token)
+against the engine reference's 499, torch.compile(reduce-overhead)'s 725 and HF's 65, in one
+run; tolerance gate (candidate error 1.87 against the bf16 reference's own 1.79, both from
+the float32 reference), not bitwise; the KNOBS below are that run's hill-climb winner
+(gate_up BLOCK_N 16 -> 32, down num_warps 4 -> 8, attn num_stages 2 -> 4; 59 trials).
+
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
 attention-only -> +norm -> +gemv (see make_ladder.py next to it).
@@ -59,8 +66,8 @@ KNOBS = {
     # lm_head must keep 1), num_warps / num_stages as Triton launch options.
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3},
     "o": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3},
-    "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3},
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3},
     "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
     # rows >= this use tl.dot on a 16-row padded tile (weights read once for all rows);
     # below it, a float32 FMA reduction (B == 1)
@@ -69,7 +76,7 @@ KNOBS = {
     # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
     # rounds the probabilities where the reference does (normalised, then cast): one more
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
-    "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "num_warps": 4, "num_stages": 2},
+    "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "num_warps": 4, "num_stages": 4},
     "combine": {"num_warps": 2},
     "norm": {"num_warps": 4},
     "rope": {"num_warps": 2},
