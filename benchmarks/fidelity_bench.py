@@ -3,10 +3,11 @@
 Installs ~20 distinct candidates on one live engine: the offline agent's move combinations,
 hand-written variants that add work per layer, per forward pass, in prefill only or in
 batched decode steps only (each one a way a cheaper tier can misjudge the full replay), and
-any candidate files given; measures each on both tiers and reports the Spearman rank
-correlation of their speedups.
+any candidate files given, with `--variants N` single-knob variants of each file's KNOBS
+(as the hill-climb of forward_bench.py makes them); measures each on both tiers and reports
+the Spearman rank correlation of their speedups.
 
-    python benchmarks/fidelity_bench.py --device cuda [--full-requests 12] [examples/candidates/*.py]
+    python benchmarks/fidelity_bench.py --device cuda [--full-requests 12] [--variants 6] [examples/candidates/*.py]
 
 Prints a card, then one JSON line.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import emit, engine_args  # noqa: E402
+from benchmarks.forward_bench import find_knobs, leaves, neighbours, rewrite_knobs, with_value  # noqa: E402
 from engine_server.engine import Engine, EngineConfig  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from tkcc_mcp.agents import moves as M  # noqa: E402
@@ -118,16 +120,33 @@ def candidates(device: str, n_moves: int) -> list[tuple[str, str]]:
     return out
 
 
+def knob_variants(name: str, source: str, n: int) -> list[tuple[str, str]]:
+    """Up to n variants of `source`, each one KNOBS leaf (spread over all of them) moved to
+    its first neighbour."""
+    found = find_knobs(source)
+    if not found or n <= 0:
+        return []
+    knobs, span = found
+    out = []
+    every = leaves(knobs)
+    for path, value in every[::max(1, len(every) // n)][:n]:
+        v = neighbours(value)[0]
+        out.append((f"{name}[{'.'.join(map(str, path))}={v}]", rewrite_knobs(source, span, with_value(knobs, path, v))))
+    return out
+
+
 def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
     p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
+    p.add_argument("--variants", type=int, default=0, help="single-knob variants of each file with KNOBS")
     p.add_argument("files", nargs="*", help="more candidates: forward-pass files (e.g. examples/candidates/*.py)")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
     rows = []
     t0 = time.perf_counter()
     extra = [(Path(f).stem, Path(f).read_text()) for f in a.files]
+    extra += [v for name, src in extra[:1] for v in knob_variants(name, src, a.variants)]
     for name, src in candidates(a.device, a.moves) + extra:
         r = eng.submit_forward_pass(src, name=name)
         if not r.ok:

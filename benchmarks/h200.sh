@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
+#
+#   bash benchmarks/h200.sh forward|fidelity|cycle|fidelity+cycle|memory|engine|tests
+#
+# The GPU image has torch, Triton and transformers but not pydantic or structlog: put their
+# wheels in .whl/ first (see benchmarks/README.md) and they are installed to /tmp/site.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tkcc-h200}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader >"$OUT/nvidia_smi.txt"
+ladder=(examples/candidates/llama_triton_decode.py examples/candidates/llama_triton_attn_norm.py
+        examples/candidates/llama_triton_attention.py)
+
+case "${1:?stage}" in
+forward)  # batch-1 decode: hill-climb the example candidates, against torch.compile and HF
+    python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
+        --climb llama_triton_decode --winners-dir "$OUT/winners" "${ladder[@]}" 2>&1 | tee "$OUT/forward.log"
+    python3 benchmarks/profile_step.py --exact-repeats 0 --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
+    ;;
+fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder
+    python3 benchmarks/fidelity_bench.py --device cuda --full-requests "${FULL_REQUESTS:-8}" --moves 4 \
+        --variants 6 --out "$OUT/fidelity.json" "${ladder[@]}" 2>&1 | tee "$OUT/fidelity.log"
+    ;;
+cycle)  # submit-to-fast-result on the live engine against a restart per experiment; tier costs
+    python3 benchmarks/cycle_bench.py --device cuda --n "${N:-5}" --out "$OUT/cycle.json" 2>&1 | tee "$OUT/cycle.log"
+    ;;
+fidelity+cycle)
+    bash "$0" fidelity && bash "$0" cycle
+    ;;
+memory)  # the winner alone: peak GPU memory of the engine with it, what its install adds
+    python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
+        --out "$OUT/memory.json" "${ladder[0]}" 2>&1 | tail -n 12 | cut -c1-400
+    ;;
+engine)
+    python3 benchmarks/engine_bench.py --device cuda --repeats 3 --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
+    ;;
+tests)
+    python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+*) echo "unknown stage $1" >&2; exit 2 ;;
+esac
