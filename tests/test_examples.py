@@ -10,7 +10,8 @@
    cell untouched, the weights untouched; for B in {1, 3} rows of different context lengths,
    a subset of the layers and zero layers, and knob variants that reach every kernel branch
    (sequence splits with an empty split, online and exact softmax, split-K with a ragged
-   last split, tl.dot and FMA GEMV paths, the ladder's stages).
+   last split, tl.dot and FMA GEMV paths, the FMA path reduced at every step, the ladder's
+   stages).
 """
 from __future__ import annotations
 
@@ -148,10 +149,11 @@ BF16_CASES = [
                                          "down": {"SPLIT_K": 5, "BLOCK_K": 32}}},
     {"rows": 2, "layers": [3], "knobs": {"gemv_dot_min_rows": 4, "o": {"SPLIT_K": 3, "BLOCK_K": 16},
                                          "lm_head": {"BLOCK_N": 16, "BLOCK_K": 64}}},
+    {"rows": 1, "layers": [1], "knobs": {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16}}},
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": False, "gemv": False}}},
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": True, "gemv": False}}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8)]
 
 
 def run_interpreter(path: Path, dtype: str, cases: list[dict]) -> list[dict]:

@@ -69,6 +69,9 @@ KNOBS = {
     # below it, a float32 FMA reduction (B == 1)
     "gemv_dot_min_rows": 2,
     "gemv_dot_block_b": 16,  # rows per program on the tl.dot path (>= 16)
+    # FMA path (B == 1): reduce each [BLOCK_N, BLOCK_K] product along K at every step into a
+    # [BLOCK_N] accumulator (fewer registers: room for larger tiles) instead of once at the end
+    "gemv_reduce_each_step": False,
     # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
     # rounds the probabilities where the reference does (normalised, then cast): one more
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
@@ -181,13 +184,15 @@ if HAVE_TRITON:
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
                      stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                     REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
         BLOCK_N weight rows once for all of its BLOCK_B rows of x. USE_DOT: tl.dot on a
         [BLOCK_B, BLOCK_K] x [BLOCK_K, BLOCK_N] tile (BLOCK_B >= 16, padding rows masked);
-        else BLOCK_B == 1 and a float32 multiply-accumulate reduced once at the end.
+        else BLOCK_B == 1 and a float32 multiply-accumulate reduced once at the end (REDUCE_EACH:
+        reduced along K at every step into a [BLOCK_N] accumulator).
         SILU (SPLIT_K == 1): also reads rows n + N_UP and stores silu(gate) * up, with the
         reference's roundings (gate, up, silu(gate), product). Accumulation is float32; the
         store casts to out's dtype (float32 partials, or the model dtype).
@@ -206,6 +211,9 @@ if HAVE_TRITON:
         if USE_DOT:
             acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        elif REDUCE_EACH:
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc1_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -226,12 +234,21 @@ if HAVE_TRITON:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
                     acc_u += _dot(xt, tl.trans(wu), IEEE)
+            elif REDUCE_EACH:
+                xf = xt.to(tl.float32)
+                acc1 += tl.sum(wt.to(tl.float32) * xf, axis=1)
+                if SILU:
+                    acc1_u += tl.sum(wu.to(tl.float32) * xf, axis=1)
             else:
                 xf = xt.to(tl.float32)  # [1, BLOCK_K] broadcasts over the weight rows
                 acc2 += wt.to(tl.float32) * xf
                 if SILU:
                     acc2_u += wu.to(tl.float32) * xf
-        if not USE_DOT:
+        if REDUCE_EACH and not USE_DOT:
+            acc = acc1[None, :]  # [1, BLOCK_N]
+            if SILU:
+                acc_u = acc1_u[None, :]
+        elif not USE_DOT:
             acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
             if SILU:
                 acc_u = tl.sum(acc2_u, axis=1)[None, :]
@@ -460,6 +477,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False):
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
+                       REDUCE_EACH=bool(KNOBS.get("gemv_reduce_each_step", False)),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"])
     return out
