@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/h200.sh forward|fidelity|cycle|fidelity+cycle|memory|engine|tests
 #
-# The GPU image has torch, Triton and transformers but not pydantic or structlog: put their
-# wheels in .whl/ first (see benchmarks/README.md) and they are installed to /tmp/site.
+# The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
+# uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
+# are installed to /tmp/site here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tkcc-h200}
