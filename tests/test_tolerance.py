@@ -5,7 +5,8 @@ on logits either passes broken passes or fails every reordering. The gate instea
 that the candidate be no further from the reference run in float32 than twice the bf16
 reference itself. These tests pin both sides of that line on a shrunk Llama on the CPU:
 a pass that rounds differently once per layer is close (and not exact), while a 2% logit
-scale, a layer's MLP dropped and K/V written outside the batch's cells are not.
+scale, attention that reads one cell past its position, a layer's MLP dropped and K/V
+written outside the batch's cells are not.
 """
 import pytest
 
@@ -28,6 +29,19 @@ def forward(state, batch):
     "logits_scaled_2pct": (HEAD + '''
 def forward(state, batch):
     return ref.forward(state, batch) * 1.02
+''', False),
+    # attention one key past each query's position: in decode, the noise in the next cell
+    "reads_one_cell_past": (HEAD + '''
+def _mask(state, batch):
+    s = torch.arange(state.max_seq, device=batch.positions.device)
+    return (s[None, None, :] <= batch.positions[:, :, None] + 1)[:, None]
+
+def forward(state, batch):
+    orig, ref.causal_mask = ref.causal_mask, _mask
+    try:
+        return ref.forward(state, batch)
+    finally:
+        ref.causal_mask = orig
 ''', False),
     "mlp_skipped_in_one_layer": (HEAD + '''
 def _mlp(state, layer, x, batch):
