@@ -93,3 +93,16 @@ def forward(state, batch):
     r = bf16_engine.submit_forward_pass(src)
     tol = bf16_engine.check_bit_exact(r.candidate_id, mode="tolerance")
     assert tol.close is False and any("outside" in v for v in tol.violations), tol
+
+
+def test_full_tier_near_ties():
+    """A differing greedy token is a near tie only if the reference ranks it within 2% of its top."""
+    import torch
+
+    from engine_server.measure import near_tie
+    ref = torch.tensor([[20.0, 19.9, 10.0, 0.0], [5.0, 1.0, 0.5, 0.0]]).topk(3, -1)
+    assert near_tie(ref, torch.tensor([0, 0]))  # nothing differs
+    assert near_tie(ref, torch.tensor([1, 0]))  # 19.9 against 20.0: within 2%
+    assert not near_tie(ref, torch.tensor([2, 0]))  # 10.0 against 20.0
+    assert not near_tie(ref, torch.tensor([3, 0]))  # not among the reference's top 3
+    assert not near_tie(ref, torch.tensor([1, 1]))  # row 1: 1.0 against 5.0
