@@ -95,6 +95,14 @@ def find_knobs(source: str) -> tuple[dict, tuple[int, int]] | None:
     return None
 
 
+def merged(knobs: dict, override: dict) -> dict:
+    """`knobs` with `override`'s values put in, nested dicts merged key by key."""
+    out = dict(knobs)
+    for k, v in override.items():
+        out[k] = merged(knobs[k], v) if isinstance(v, dict) and isinstance(knobs.get(k), dict) else v
+    return out
+
+
 def rewrite_knobs(source: str, span: tuple[int, int], knobs: dict) -> str:
     data = source.encode()
     return (data[:span[0]] + repr(knobs).encode() + data[span[1]:]).decode()
@@ -523,6 +531,8 @@ def main() -> int:
                    help="estimated seconds to evaluate one file (default: 35 on CUDA with the full tier)")
     p.add_argument("--climb", default="", help="comma-separated file stems to hill-climb (default: every file "
                                                  "with KNOBS); the others are evaluated as they are")
+    p.add_argument("--start-knobs", default="", help="JSON merged into each climbed file's KNOBS before the climb "
+                                                      "(a start point single-knob moves cannot reach)")
     p.add_argument("--min-gain", type=float, default=0.01, help="a move must beat the best by this fraction")
     p.add_argument("--winners-dir", default=None, help="write each file's best source and the results here")
     p.add_argument("--skip-hf", action="store_true")
@@ -617,7 +627,11 @@ def main() -> int:
         t = time.perf_counter()
         log(f"-- climb {f.name}: {share:.0f} s")
         try:
-            c = run.climb(f, _read(f), share)
+            src = _read(f)
+            if a.start_knobs:
+                knobs, span = find_knobs(src)
+                src = rewrite_knobs(src, span, merged(knobs, json.loads(a.start_knobs)))
+            c = run.climb(f, src, share)
         except Exception as e:  # noqa: BLE001
             c = {"file": str(f), "error": short_error(e), "source": _read(f)}
             run.note_error(c["error"])

@@ -22,7 +22,8 @@ ladder=(examples/candidates/llama_triton_decode.py examples/candidates/llama_tri
 case "${1:?stage}" in
 forward)  # batch-1 decode: hill-climb the example candidates, against torch.compile and HF
     python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
-        --climb llama_triton_decode --winners-dir "$OUT/winners" "${ladder[@]}" 2>&1 | tee "$OUT/forward.log"
+        --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} \
+        --winners-dir "$OUT/winners" "${ladder[@]}" 2>&1 | tee "$OUT/forward.log"
     python3 benchmarks/profile_step.py --exact-repeats 0 --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
     ;;
 fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder

@@ -88,6 +88,8 @@ def test_knobs_rewrite_and_neighbours():
     assert forward_bench.neighbours(64) == [128, 32] and forward_bench.neighbours(3) == [4, 2]
     assert forward_bench.neighbours(True) == [False] and forward_bench.neighbours("a") == []
     assert forward_bench.find_knobs("def forward(state, batch):\n    pass\n") is None
+    assert forward_bench.merged({"a": {"x": 1, "y": 2}, "b": 3}, {"a": {"y": 5}, "c": True}) == \
+        {"a": {"x": 1, "y": 5}, "b": 3, "c": True}
     assert forward_bench.is_candidate("def forward(state, batch):\n    pass\n")
     assert forward_bench.is_candidate("from engine_server.models.llama import forward\n")
     assert not forward_bench.is_candidate("def main():\n    pass\n")
@@ -105,6 +107,7 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "forward_bench.py"), "--shrink", "--device", "cpu",
            "--skip-hf", "--compile-mode", "none", "--context", "16", "--steps", "6", "--repeats", "1",
            "--budget-s", "3", "--no-full", "--fast-rounds", "5", "--winners-dir", str(tmp_path / "win"),
+           "--start-knobs", '{"BLOCK_N": 32}',
            str(tmp_path / "knobbed.py"), str(tmp_path / "copy.py"), str(tmp_path / "broken.py"),
            str(tmp_path / "helper.py")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -115,6 +118,7 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert rows["copy"]["tolerance"]["close"] and rows["copy"]["fast"]["ok"]
     assert rows["copy"]["tokens_match_reference"] == 7
     assert rows["knobbed"]["gate"] == "bitwise" and res["climb"]["trials"][0]["role"] == "start"
+    assert rows["knobbed"]["knobs_start"] == {"BLOCK_N": 32}  # --start-knobs
     assert "nope" in rows["broken"]["error"] and "helper" not in rows
     assert res["not_candidates"] == [str(tmp_path / "helper.py")]
     assert res["reference"]["tok_s"] > 0 and res["baselines"]["compile"]["ok"]
