@@ -38,8 +38,11 @@ from engine_server.results import MeasureResult, ShapeTiming
 from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
-# a full-depth step may take this much more than extrapolated, relative to the reference's
-DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.5}
+# a full-depth step may take this much more than extrapolated, relative to the reference's,
+# judged on this many interleaved full-depth timings a side (CPU: honest passes measured at
+# 0.86-1.14 of the reference's ratio, the depth padder in tests/cheaters at 1.66-2.37)
+DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
+DEPTH_REPS = {"cuda": 5, "cpu": 9}
 # full tier: a greedy token that differs from the reference's is a near tie (not a violation)
 # when the reference itself ranks it among its top NEAR_TIE_K within NEAR_TIE_REL of its
 # top logit: what rounding in another summation order can flip (tolerance-gated passes)
@@ -328,12 +331,14 @@ def fast(eng, cand) -> MeasureResult:
     return res
 
 
-def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict, med: dict, reps: int = 5) -> None:
+def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict, med: dict) -> None:
     """The extrapolation holds only if time grows with the layers run: a pass that pads its
     no-layer step (or slows down at full depth) would look faster than it is. Times one
     full-depth batch-1 decode shape for both sides (interleaved) and compares their
     measured/estimated ratios; the slack is wider on the CPU, whose timings are noisier."""
     sh = next(s for s in setup.shapes if not s.prefill)
+    kind = "cuda" if eng.cuda else "cpu"
+    reps = DEPTH_REPS[kind]
     times = {side: [] for side in sides}
     eng.state.load_cache(*setup.kv)
     for r in range(reps):
@@ -343,7 +348,7 @@ def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict, med: di
     ratio = {s: statistics.median(times[s]) / med[s][sh.name] if med[s][sh.name] > 0 else float("inf")
              for s in sides}
     res.config["depth_check"] = {s: round(r, 3) for s, r in ratio.items()}
-    slack = DEPTH_SLACK["cuda" if eng.cuda else "cpu"]
+    slack = DEPTH_SLACK[kind]
     if ratio["cand"] > slack * ratio["ref"]:
         res.violations.append(f"{sh.name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
                               f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
