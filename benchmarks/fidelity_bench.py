@@ -3,8 +3,8 @@
 Installs ~20 distinct candidates on one live engine: the offline agent's move combinations,
 hand-written variants that add work per layer, per forward pass, in prefill only or in
 batched decode steps only (each one a way a cheaper tier can misjudge the full replay), and
-any candidate files given, with `--variants N` single-knob variants of each file's KNOBS
-(as the hill-climb of forward_bench.py makes them); measures each on both tiers and reports
+any candidate files given, with `--variants N` single-knob variants of the first file's
+KNOBS (as the hill-climb of forward_bench.py makes them); measures each on both tiers and reports
 the Spearman rank correlation of their speedups.
 
     python benchmarks/fidelity_bench.py --device cuda [--full-requests 12] [--variants 6] [examples/candidates/*.py]
@@ -139,7 +139,7 @@ def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
     p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
-    p.add_argument("--variants", type=int, default=0, help="single-knob variants of each file with KNOBS")
+    p.add_argument("--variants", type=int, default=0, help="single-knob variants of the first file's KNOBS")
     p.add_argument("files", nargs="*", help="more candidates: forward-pass files (e.g. examples/candidates/*.py)")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
