@@ -108,3 +108,31 @@ def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
     assert fm.valid and fm.outputs_match == "close", fm
     full = cuda_engine.measure_full(r.candidate_id)
     assert full.valid and full.outputs_match in ("tokens", "tokens-near-ties"), full
+
+
+@pytest.mark.gpu
+def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
+    """KNOBS["pdl"] on launches the same kernels with programmatic dependent launch and L2
+    prefetches: the logits are bitwise those of plain launches, eager and from the captured
+    graph, and the tolerance gate measures the same error for both."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    on = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    off = on.replace('"pdl": {"enabled": True', '"pdl": {"enabled": False', 1)
+    assert on != off
+    ids = []
+    for s, name in ((off, "pdl-off"), (on, "pdl-on")):
+        r = cuda_engine.submit_forward_pass(s, name=name)
+        assert r.ok and r.graphs, r
+        ids.append(r.candidate_id)
+    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
+                     torch.tensor([0], device="cuda"))
+    outs = []
+    for cid in ids:
+        c = cuda_engine.candidates[cid]
+        st = cuda_engine.candidate_state(c)
+        outs.append((c.forward(st, b).clone(), c.graphs.run(st, b).clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    tol = [cuda_engine.check_bit_exact(cid, mode="tolerance") for cid in ids]
+    assert tol[1].close and tol[1].tokens_equal, tol[1]
+    assert tol[1].candidate_error == tol[0].candidate_error

@@ -5,8 +5,8 @@ Gate: on CUDA the tolerance gate (`close`, identical tokens); on the CPU bitwise
 Llama decode in Triton: fused RMSNorm, bandwidth GEMVs, RoPE + K/V write, flash-decode.
 
 What it changes: for decode steps (batch.seq_len == 1) on CUDA (or on CPU tensors under the
-Triton interpreter, TRITON_INTERPRET=1) the whole forward pass runs as Triton kernels, about
-8 launches per layer instead of ~28. Prefill (T > 1), devices without Triton and model
+Triton interpreter, TRITON_INTERPRET=1) the whole forward pass runs as Triton kernels, 10
+launches per layer (8 with online softmax and FUSE_ROPE) instead of ~28. Prefill (T > 1), devices without Triton and model
 features these kernels do not cover (q/k/v bias, qk-norm, MoE, non-SiLU MLP) run the
 reference (`engine_server.models.llama.forward`) unchanged.
 
@@ -23,8 +23,9 @@ Per layer, decode (B rows, D hidden, H q heads, KV kv heads, hd head dim, I inte
 
     add_norm      x += sum(partials); h = rms_norm(x)       (first layer: x = embed[tokens])
     gemv qkv      partials[s] = h @ Wqkv[:, ks]^T           (split-K s, float32 partials)
-    rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v
+    rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v  (FUSE_ROPE: in attn)
     attn_split    flash-decode over positions 0..pos of the row's own slot, sequence split
+                  (exact softmax: a statistics pass first, one more launch)
     attn_combine  merge the splits (skipped when NSPLIT == 1)
     gemv o        partials = o @ Wo^T
     add_norm      x += sum(partials); h = rms_norm(x)
@@ -38,12 +39,22 @@ positions 0..positions[b] only (a loop bound read on the device: no host sync, s
 is CUDA-graph capturable); nothing is kept across calls (buffers are allocated per call, the
 kernels are compiled per shape during the engine's warm-up, no autotuning); any batch size.
 
-Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512; `bash benchmarks/h200.sh
-forward`, benchmarks/results/h200_forward_llama-3.2-1b.json): 921 tok/s (1,086 us a token)
-against the engine reference's 499, torch.compile(reduce-overhead)'s 725 and HF's 65, in one
-run; tolerance gate (candidate error 1.87 against the bf16 reference's own 1.79, both from
-the float32 reference), not bitwise; the KNOBS below are that run's hill-climb winner
-(gate_up BLOCK_N 16 -> 32, down num_warps 4 -> 8, attn num_stages 2 -> 4; 59 trials).
+With KNOBS["pdl"] (sm_90+) every kernel is launched with programmatic dependent launch: it
+starts while the kernel before it runs and waits for it (griddepcontrol.wait) before it reads
+anything a kernel wrote; the results are bitwise those of plain launches (tests/test_gpu.py).
+
+Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
+- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: the climb's
+  winner, these KNOBS with online softmax, RoPE fused into attention and PREFETCH_O, 1,058
+  tok/s (945 us a token) against the engine reference's 499, torch.compile(reduce-overhead)'s
+  727 and HF's 53; tolerance gate (error 1.78 from the float32 reference against the bf16
+  reference's own 1.79), not bitwise. The climb (59 trials) kept o BLOCK_N 16 -> 8.
+- The KNOBS below keep that, but with exact softmax, the RoPE kernel and no prefetch: online
+  softmax fails the tolerance gate on the shrunk preset on the GPU (error 23 against 0.29; not
+  understood yet, and close under the interpreter). 1,017 tok/s against the reference's 500
+  and the winner's 1,054 in one run (h200_variants_shipped_vs_winner.json).
+- PDL alone: 1,005 against 921 tok/s without it (h200_variants_pdl.json); L2 prefetches of
+  the big GEMVs' weights before the wait cost more than they hide (827 with all of them).
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
@@ -63,12 +74,13 @@ from engine_server.models.common import apply_rope, attention as ref_attention, 
 KNOBS = {
     # GEMV per projection. BLOCK_N weight rows per program, BLOCK_K columns per loop step,
     # SPLIT_K programs along K (float32 partials summed by the next kernel; gate_up and
-    # lm_head must keep 1), num_warps / num_stages as Triton launch options.
-    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3},
-    "o": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3},
-    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3},
-    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
+    # lm_head must keep 1), num_warps / num_stages as Triton launch options; with PDL, each
+    # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits.
+    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0},
+    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
     # rows >= this use tl.dot on a 16-row padded tile (weights read once for all rows);
     # below it, a float32 FMA reduction (B == 1)
     "gemv_dot_min_rows": 2,
@@ -79,10 +91,18 @@ KNOBS = {
     # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
     # rounds the probabilities where the reference does (normalised, then cast): one more
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
-    "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "num_warps": 4, "num_stages": 4},
+    # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
+    # _rope_kv_kernel launch).
+    "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "FUSE_ROPE": False, "num_warps": 4,
+             "num_stages": 4},
     "combine": {"num_warps": 2},
     "norm": {"num_warps": 4},
     "rope": {"num_warps": 2},
+    # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
+    # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
+    # a kernel writes. PREFETCH_O: the first attention kernel pulls o_proj's weight into L2
+    # before it waits (weights are never written; see also the GEMVs' PF_STEPS).
+    "pdl": {"enabled": True, "PREFETCH_O": False},
     "stages": {"attention": True, "norm": True, "gemv": False},
 }
 
@@ -153,9 +173,24 @@ if HAVE_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """With PDL: wait for the kernel before this one to finish (its writes visible), then
+        let the next kernel launch. Nothing a kernel writes may be read before this."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _prefetch(ptrs):
+        """Pull the lines at `ptrs` into L2: a hint, no result (callers clamp to valid addresses)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
                          D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
-                         GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr):
+                         GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
         """One program per row b (x, h: [B, D] contiguous, model dtype).
 
         GATHER: x[b] = emb[tok[b]] first (the embedding lookup). HAS_BRANCH: x[b] += the sum
@@ -163,6 +198,7 @@ if HAVE_TRITON:
         model dtype before the add and the sum after it, as `x + linear(...)` rounds.
         Then h[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, rounded once.
         """
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
@@ -189,7 +225,8 @@ if HAVE_TRITON:
                      stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
-                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -200,6 +237,8 @@ if HAVE_TRITON:
         SILU (SPLIT_K == 1): also reads rows n + N_UP and stores silu(gate) * up, with the
         reference's roundings (gate, up, silu(gate), product). Accumulation is float32; the
         store casts to out's dtype (float32 partials, or the model dtype).
+        PDL: before waiting for the kernel before it, the program prefetches its first PF_STEPS
+        K steps of weight rows (PF_W lines of a row per step) into L2.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -212,6 +251,16 @@ if HAVE_TRITON:
         wu_rows = w_rows + N_UP * stride_wn
         x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
         k_lo = pid_k * K_SPLIT
+        if PDL:
+            if PF_STEPS > 0:  # weights only: no kernel writes them
+                rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+                lines = tl.arange(0, PF_W) * (BLOCK_K // PF_W)
+                for j in range(0, PF_STEPS):
+                    kk = tl.minimum(k_lo + j * BLOCK_K + lines, K - 1)[None, :]
+                    _prefetch(w_ptr + rows + kk)
+                    if SILU:
+                        _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
+        _pdl_wait(PDL)
         if USE_DOT:
             acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
@@ -271,7 +320,7 @@ if HAVE_TRITON:
                         NP, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
                         s_slot, s_head, s_seq,
                         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                        NH_P: tl.constexpr, KV_P: tl.constexpr):
+                        NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr):
         """One program per row b. qkv: NP split-K partials [NP, B, (H+2KV)*hd] (summed, then
         rounded to the model dtype as the reference's projection output is).
 
@@ -280,6 +329,7 @@ if HAVE_TRITON:
         RoPE as common.apply_rope: x*cos + roll(x, hd/2)*sin_rot, each product and the sum
         rounded (sin: the `rope_sin_rot` table, whose first half carries the minus sign).
         """
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
         slot = tl.load(slot_ptr + b * stride_slot)
@@ -319,6 +369,25 @@ if HAVE_TRITON:
         tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
 
     @triton.jit
+    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, cos_row, sin_row, like_ptr,
+                    N: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
+        """Heads `heads` ([N] indices, rows masked by hm) of one row of qkv partials (NP of them,
+        stride_s apart), summed, then RoPE'd at the position of cos_row / sin_row: [N, HD]
+        float32, rounded where _rope_kv_kernel rounds (the sum, each product, their sum)."""
+        part = (d + HALF) % HD  # rotate-half partner: x[d + hd/2] for the first half, x[d - hd/2] after
+        x = tl.zeros([N, HD], dtype=tl.float32)
+        xp = tl.zeros([N, HD], dtype=tl.float32)
+        base = row_ptr + heads[:, None] * HD
+        for s in range(0, NP):
+            x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+            xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        x = _round(x, like_ptr)
+        xp = _round(xp, like_ptr)
+        c = tl.load(cos_row + d).to(tl.float32)[None, :]
+        sn = tl.load(sin_row + d).to(tl.float32)[None, :]
+        return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
+
+    @triton.jit
     def _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE: tl.constexpr):
         """Scores of the GP query rows against keys `offs` as the reference rounds them:
         q.k accumulated in float32 and rounded, times scale, rounded; -inf where not valid."""
@@ -328,13 +397,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq,
+                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, pf_ptr, pf_lines,
+                     qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                     PHASE: tl.constexpr, IEEE: tl.constexpr):
+                     PHASE: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
+                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
-        of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read, nothing is written
-        to the cache. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
+        of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
 
         PHASE 0, online softmax (flash-decoding): stores the unnormalised partial
@@ -346,10 +417,26 @@ if HAVE_TRITON:
           (NSPLIT > 1) or rounded into o. Reads K twice but rounds p where the reference
           does (softmax in float32, then cast), so it stays within ulps of it.
         Partials: po [B, H, NSPLIT, HD], pm / pl [B, H, NSPLIT], float32.
+        Without FUSE_ROPE, q comes RoPE'd from q_ptr (_rope_kv_kernel wrote it and this step's
+        K/V) and nothing is written to the cache. FUSE_ROPE: q is RoPE'd here from the qkv
+        partials, and with WRITE_KV the split holding position pos[b] also writes this step's
+        K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back after a
+        block barrier like any other key.
+        PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
+        lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
+        if PDL:
+            if PF_CHUNK > 0:
+                nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+                pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + sp
+                per = tl.cdiv(pf_lines, nprog)
+                for j0 in range(0, per, PF_CHUNK):
+                    idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
+                    _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
+        _pdl_wait(PDL)
         pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
         slot = tl.load(slot_ptr + b * stride_slot)
         n = pos + 1
@@ -361,10 +448,32 @@ if HAVE_TRITON:
         gm = g < G
         d = tl.arange(0, HD)
         heads = kvh * G + g
-        q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
+        if FUSE_ROPE:
+            qrow = qkv_ptr + b * stride_qkv_b
+            cos_row = cos_ptr + pos * stride_cos
+            sin_row = sin_ptr + pos * stride_cos
+            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr, GP, HD, HD // 2),
+                    q_ptr)
+            if WRITE_KV:
+                one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
+                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr,
+                                GP, HD, HD // 2)
+                v = tl.zeros([GP, HD], dtype=tl.float32)
+                vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
+                for s in range(0, NP):
+                    v += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
+                cell = pos.to(tl.int64) * s_seq + 0 * g[:, None] + d[None, :]
+                # the split holding position pos writes it
+                at = pos + 0 * d[None, :]  # full-shape compares: the interpreter rejects scalar masks
+                wm = one[:, None] & (at >= start) & (at < end)
+                tl.store(k_base + cell, _to(k, kc_ptr), mask=wm)
+                tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
+                tl.debug_barrier()  # the block's own cache writes, visible to its loads below
+        else:
+            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
         row = (b * H + heads) * NSPLIT + sp
         m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP], dtype=tl.float32)
@@ -427,10 +536,11 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_combine_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr,
                              HD: tl.constexpr, NSPLIT: tl.constexpr, NS_P: tl.constexpr,
-                             WEIGHTED: tl.constexpr):
+                             WEIGHTED: tl.constexpr, PDL: tl.constexpr):
         """Grid (B * H,): merge the NSPLIT partials of one (row, head) into o (model dtype).
         WEIGHTED (online softmax): sum acc_s * exp(m_s - M) / sum l_s * exp(m_s - M);
         else the partials are already normalised: a plain sum."""
+        _pdl_wait(PDL)
         bh = tl.program_id(0)
         s = tl.arange(0, NS_P)
         sm = s < NSPLIT
@@ -457,7 +567,24 @@ def _stage(name: str) -> bool:
     return bool(KNOBS["stages"].get(name, True))
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False):
+def _pdl(dev: torch.device) -> bool:
+    """Programmatic dependent launch for this step: KNOBS["pdl"] on, a CUDA device of compute
+    capability 9.0 or newer, not the interpreter."""
+    if not KNOBS["pdl"]["enabled"] or dev.type != "cuda" or _interpreting():
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def _launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _line(t: torch.Tensor) -> int:
+    """Elements of `t` in a 128-byte cache line."""
+    return max(1, 128 // t.element_size())
+
+
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -478,26 +605,28 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False):
     dtype = torch.float32 if split > 1 or out_dtype is None else out_dtype
     out = torch.empty(split, B, N, device=x.device, dtype=dtype)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
+    pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(KNOBS.get("gemv_reduce_each_step", False)),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
-                       num_warps=kn["num_warps"], num_stages=kn["num_stages"])
+                       PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)),
+                       num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
 
-def _linear(x, w, knob, silu=False):
+def _linear(x, w, knob, silu=False, pdl=False):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
     return F.linear(x, w)[None]
 
 
-def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None):
+def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
     """x += sum(branch) (rounded as the reference rounds); h = rms_norm(x). With tokens/emb:
     x = emb[tokens] first. In place on x [B, D] and h [B, D]."""
     B, D = x.shape
@@ -511,7 +640,7 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None):
                                tok.stride(0) if tokens is not None else 0,
                                e.stride(0) if emb is not None else 0, eps,
                                GATHER=tokens is not None, HAS_BRANCH=branch is not None,
-                               BLOCK_D=_pow2(D), num_warps=KNOBS["norm"]["num_warps"])
+                               BLOCK_D=_pow2(D), PDL=pdl, num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
         return
     if tokens is not None:
         x.copy_(F.embedding(tokens, emb))
@@ -520,9 +649,10 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None):
     h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
-    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache."""
+    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -536,17 +666,21 @@ def _attention(state, layer, qkv, batch, pos, slots):
         return ref_attention(state, layer, q, k, flat[:, :, H + KV:].transpose(1, 2), batch).view(B, H * hd)
     kc, vc = state.k_cache[layer], state.v_cache[layer]
     cos, sin = state.tables["rope_cos"], state.tables["rope_sin_rot"]
-    q = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
-    _rope_kv_kernel[(B,)](qkv, q, cos, sin, pos, slots, kc, vc,
-                          NP, qkv.stride(0), qkv.stride(1), pos.stride(0), slots.stride(0), cos.stride(0),
-                          kc.stride(0), kc.stride(1), kc.stride(2),
-                          H=H, KV=KV, HD=hd, HALF=hd // 2, NH_P=_pow2(H + KV), KV_P=_pow2(KV),
-                          num_warps=KNOBS["rope"]["num_warps"])
     ka = KNOBS["attn"]
+    fuse = bool(ka.get("FUSE_ROPE", False))
+    o = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
+    if fuse:
+        q = o  # unused: the attention kernels RoPE q themselves (and write this step's K/V)
+    else:
+        q = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
+        _rope_kv_kernel[(B,)](qkv, q, cos, sin, pos, slots, kc, vc,
+                              NP, qkv.stride(0), qkv.stride(1), pos.stride(0), slots.stride(0), cos.stride(0),
+                              kc.stride(0), kc.stride(1), kc.stride(2),
+                              H=H, KV=KV, HD=hd, HALF=hd // 2, NH_P=_pow2(H + KV), KV_P=_pow2(KV),
+                              PDL=pdl, num_warps=KNOBS["rope"]["num_warps"], **_launch(pdl))
     nsplit = max(1, int(ka["NSPLIT"]))
     exact = bool(ka["EXACT_SOFTMAX"])
     G = H // KV
-    o = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
     if nsplit > 1:
         po = torch.empty(B, H, nsplit, hd, device=qkv.device, dtype=torch.float32)
         pm = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
@@ -555,15 +689,22 @@ def _attention(state, layer, qkv, batch, pos, slots):
         po = pm = pl = o
     args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
             kc.stride(0), kc.stride(1), kc.stride(2))
+    rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
     meta = dict(H=H, G=G, GP=max(16, _pow2(G)), HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
-                BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32,
-                num_warps=ka["num_warps"], num_stages=ka["num_stages"])
-    if exact and nsplit > 1:
-        _attn_kernel[(B, KV, nsplit)](*args, PHASE=1, **meta)
-    _attn_kernel[(B, KV, nsplit)](*args, PHASE=2 if exact else 0, **meta)
+                BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=pdl,
+                num_warps=ka["num_warps"], num_stages=ka["num_stages"], **_launch(pdl))
+    # PDL: the first attention kernel prefetches o_proj's weight, read two kernels later
+    pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
+    pf_t = w_next if pf else o
+    phases = ([1] if exact and nsplit > 1 else []) + [2 if exact else 0]
+    for i, phase in enumerate(phases):
+        _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
+                                      PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
+                                      FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0, **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
-                                       WEIGHTED=not exact, num_warps=KNOBS["combine"]["num_warps"])
+                                       WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],
+                                       **_launch(pdl))
     return o
 
 
@@ -577,17 +718,20 @@ def _decode(state, batch):
     x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
     h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
+    pdl = _pdl(dev)
     branch = None  # partials of the last projection, added to x by the next _add_norm
     for i, layer in enumerate(state.layers):
         p = f"model.layers.{layer}."
         _add_norm(x, h, branch, w[p + "input_layernorm.weight"], eps,
-                  tokens if i == 0 else None, emb if i == 0 else None)
-        qkv = _linear(h, t[p + "self_attn.qkv_proj.weight"], "qkv")
-        o = _attention(state, layer, qkv, batch, pos, slots)
-        branch = _linear(o, w[p + "self_attn.o_proj.weight"], "o")
-        _add_norm(x, h, branch, w[p + "post_attention_layernorm.weight"], eps)
-        act = _linear(h, t[p + "mlp.gate_up_proj.weight"], "gate_up", silu=True)[0]
-        branch = _linear(act, w[p + "mlp.down_proj.weight"], "down")
+                  tokens if i == 0 else None, emb if i == 0 else None, pdl=pdl)
+        qkv = _linear(h, t[p + "self_attn.qkv_proj.weight"], "qkv", pdl=pdl)
+        wo = w[p + "self_attn.o_proj.weight"]
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
+        branch = _linear(o, wo, "o", pdl=pdl)
+        _add_norm(x, h, branch, w[p + "post_attention_layernorm.weight"], eps, pdl=pdl)
+        act = _linear(h, t[p + "mlp.gate_up_proj.weight"], "gate_up", silu=True, pdl=pdl)[0]
+        branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
     first = not state.layers
-    _add_norm(x, h, branch, w["model.norm.weight"], eps, tokens if first else None, emb if first else None)
-    return _linear(h, lm_head_weight(state), "lm_head")[0]
+    _add_norm(x, h, branch, w["model.norm.weight"], eps, tokens if first else None, emb if first else None,
+              pdl=pdl)
+    return _linear(h, lm_head_weight(state), "lm_head", pdl=pdl)[0]
