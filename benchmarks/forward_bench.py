@@ -4,8 +4,9 @@
 
 One process, one GPU:
 1. starts an in-process engine (`Engine(EngineConfig(...))`) and times the reference's
-   batch-1 greedy decode at `--context` through its CUDA graph (positions advancing, the
-   argmax fed back as the next token), plus the bare graph replay at that context;
+   batch-1 greedy decode at `--context`, each step one CUDA graph of the forward, the argmax
+   fed back as the next token and the position advanced (as the compiled baseline captures
+   its argmax), plus the bare replay of the engine's own forward graph at that context;
 2. runs the two baselines of `benchmarks/baselines.py` on the engine's weights and prompt:
    a gpt-fast-style decoder under `torch.compile(mode="reduce-overhead")`, and Hugging Face
    transformers `generate`;
@@ -38,6 +39,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -100,6 +102,22 @@ def merged(knobs: dict, override: dict) -> dict:
     out = dict(knobs)
     for k, v in override.items():
         out[k] = merged(knobs[k], v) if isinstance(v, dict) and isinstance(knobs.get(k), dict) else v
+    return out
+
+
+def write_variants(path: Path, variants: dict, folder: Path) -> list[Path]:
+    """Copies of the candidate at `path`, one per name in `variants`, with that entry's KNOBS
+    overrides merged in: `folder`/<stem>-<name>.py."""
+    src = _read(path)
+    found = find_knobs(src)
+    if not found:
+        raise ValueError(f"{path} has no KNOBS literal to vary")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, override in variants.items():
+        f = folder / f"{path.stem}-{name}.py"
+        f.write_text(rewrite_knobs(src, found[1], merged(found[0], override)))
+        out.append(f)
     return out
 
 
@@ -219,10 +237,11 @@ def _full_dict(m) -> dict:
 
 def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, repeats: int) -> dict:
     """Batch-1 greedy decode of `cand` after `prompt` (prefilled by the candidate itself, in
-    cache slot 0): each step replays its full-depth batch-1 CUDA graph, writes the argmax
-    into the graph's token input and advances the position (eager forward on the CPU).
-    Returns the loop's tok/s (median of `repeats` runs of `steps` steps), the bare replay's
-    tok/s at the prompt's length (what the engine's tiers time), and the greedy tokens."""
+    cache slot 0). On CUDA each step is one CUDA graph (`step_graph`: the forward, the argmax
+    into its token input, the position advanced), as gpt-fast's loop captures its sampler; on
+    the CPU an eager loop. Returns the loop's tok/s (median of `repeats` runs of `steps`
+    steps), the bare replay's tok/s of the engine's own batch-1 graph at the prompt's length
+    (the forward alone, what the engine's tiers time), and the greedy tokens."""
     st = eng.candidate_state(cand)
     dev, ctx = eng.device, len(prompt)
     if ctx + steps + 1 > eng.state.max_seq:
@@ -233,17 +252,16 @@ def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, r
         graph = eng.cuda and cand.graphs is not None and cand.graphs.has(st, 1)
         if graph:
             static = eng.inputs.batches[1]
+            g = step_graph(cand, st, static)
 
             def run(n: int, rec: list | None = None) -> None:
                 static.tokens.copy_(first.view(1, 1))
                 static.positions.fill_(ctx)
                 static.slots.fill_(0)
                 for _ in range(n):
-                    out = cand.graphs.replay(st, 1)
-                    torch.argmax(out, -1, keepdim=True, out=static.tokens)
+                    g.replay()
                     if rec is not None:
                         rec.append(static.tokens.clone())
-                    static.positions.add_(1)
         else:
             def run(n: int, rec: list | None = None) -> None:
                 tok = first
@@ -268,6 +286,26 @@ def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, r
                    for _ in range(repeats)]
             out["replay_tok_s"] = round(1 / statistics.median(rep), 1)
     return out
+
+
+def step_graph(cand, st, static, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph for a whole greedy decode step on the engine's static batch-1 inputs:
+    cand.forward, the argmax written into the token input, the position advanced. Warm-up runs
+    on a side stream first (it writes K/V at the positions it passes; the caller resets them)."""
+    def body() -> None:
+        out = cand.forward(st, static)
+        torch.argmax(out, -1, keepdim=True, out=static.tokens)
+        static.positions.add_(1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            body()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
 
 
 def _timed(eng: Engine, fn) -> float:
@@ -533,6 +571,10 @@ def main() -> int:
                                                  "with KNOBS); the others are evaluated as they are")
     p.add_argument("--start-knobs", default="", help="JSON merged into each climbed file's KNOBS before the climb "
                                                       "(a start point single-knob moves cannot reach)")
+    p.add_argument("--variants", default="",
+                   help='JSON {"name": {KNOBS overrides}}: copies of the first file with those KNOBS merged in, '
+                        'written to --winners-dir (or a temporary folder) as <stem>-<name>.py and evaluated as '
+                        'files of their own (not climbed)')
     p.add_argument("--min-gain", type=float, default=0.01, help="a move must beat the best by this fraction")
     p.add_argument("--winners-dir", default=None, help="write each file's best source and the results here")
     p.add_argument("--skip-hf", action="store_true")
@@ -616,6 +658,10 @@ def main() -> int:
     # 3. the hill-climb, through the engine's tools
     files = [Path(f) for f in a.files if is_candidate(_read(Path(f), "def forward(state, batch): ..."))]
     res["not_candidates"] = [f for f in a.files if Path(f) not in files]  # helpers next to them: no `forward`
+    if a.variants and files:
+        files += write_variants(files[0], json.loads(a.variants),
+                                Path(a.winners_dir or tempfile.mkdtemp(prefix="tkcc-variants-")) / "variants")
+        res["variants"] = json.loads(a.variants)
     est = a.winner_est_s or ((35.0 if not a.no_full else 13.0) if eng.cuda else 15.0)
     only = {s for s in a.climb.split(",") if s}
     climbable = [f for f in files if (k := find_knobs(_read(f, ""))) and leaves(k[0]) and (not only or f.stem in only)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|fidelity|cycle|fidelity+cycle|memory|engine|tests
+#   bash benchmarks/h200.sh forward|variants|fidelity|cycle|fidelity+cycle|memory|engine|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -24,7 +24,18 @@ forward)  # batch-1 decode: hill-climb the example candidates, against torch.com
     python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
         --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} \
         --winners-dir "$OUT/winners" "${ladder[@]}" 2>&1 | tee "$OUT/forward.log"
-    python3 benchmarks/profile_step.py --exact-repeats 0 --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
+    python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
+    ;;
+variants)  # KNOBS variants of the decode candidate side by side (no climb), and each one's kernel profile
+    python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
+        --variants "${VARIANTS:?set VARIANTS to a JSON object: name -> KNOBS overrides}" \
+        --winners-dir "$OUT/variants" --out "$OUT/variants.json" "${ladder[0]}" 2>&1 | tee "$OUT/variants.log"
+    for f in "${ladder[0]}" "$OUT"/variants/variants/*.py; do  # PROFILE: only these variant names
+        name=$(basename "$f" .py); name=${name#llama_triton_decode-}
+        [[ -z "${PROFILE:-}" || " $PROFILE " == *" $name "* ]] || continue
+        python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "$f" \
+            >"$OUT/profile_$(basename "$f" .py).txt" 2>&1 || true
+    done
     ;;
 fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder
     python3 benchmarks/fidelity_bench.py --device cuda --full-requests "${FULL_REQUESTS:-8}" --moves 4 \

@@ -1,7 +1,13 @@
-"""Kernel-time breakdown of one batch-1 decode step of a candidate (eager, after warm-up),
-and a determinism check of the reference against itself.
+"""Kernel-time breakdown of one batch-1 decode step of a candidate, and a determinism check
+of the reference against itself.
 
-    python benchmarks/profile_step.py --model llama-3.2-1b [--candidate FILE]
+    python benchmarks/profile_step.py --model llama-3.2-1b [--candidate FILE] [--order]
+
+The step is the candidate's captured batch-1 CUDA graph, replayed (eager if it has none),
+after warm-up. Prints kernel time by kernel name; with --order, each kernel in the order it
+ran with its start relative to the end of the one before (negative: they overlapped, as
+programmatic dependent launch lets them), the step's span from first start to last end, and
+for Triton GEMVs (qkv, o, gate_up, down per layer, then lm_head) the time by projection.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ def main() -> int:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--candidate", default=None)
     p.add_argument("--exact-repeats", type=int, default=3)
+    p.add_argument("--order", action="store_true", help="list the kernels in order, with gaps and overlaps")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, device="cuda"))
     for i in range(a.exact_repeats):
@@ -34,25 +41,59 @@ def main() -> int:
     st = eng.candidate_state(cand)
     b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([900], device="cuda"),
                      torch.tensor([0], device="cuda"))
+    graph = cand.graphs is not None and cand.graphs.has(st, 1)
+    if graph:
+        eng.inputs.fill(b)
+
+    def step() -> None:
+        if graph:
+            cand.graphs.replay(st, 1)
+        else:
+            cand.forward(st, b)
     for _ in range(5):
-        cand.forward(st, b)
+        step()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cand.forward(st, b)
+        step()
         torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
     per = collections.defaultdict(lambda: [0, 0.0])
-    total, n = 0.0, 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            d = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            per[e.name[:90]][0] += 1
-            per[e.name[:90]][1] += d
-            total += d
-            n += 1
-    print(f"kernels {n}, kernel time {total:.0f} us")
+    total = 0.0
+    for e in kernels:
+        d = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        per[e.name[:90]][0] += 1
+        per[e.name[:90]][1] += d
+        total += d
+    print(f"{'graph replay' if graph else 'eager'}: kernels {len(kernels)}, kernel time {total:.0f} us")
     for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
         print(f"{t:9.1f} us {c:5d}x  {name}")
+    if a.order and kernels:
+        span = kernels[-1].time_range.end - kernels[0].time_range.start
+        gaps = [k.time_range.start - j.time_range.end for j, k in zip(kernels, kernels[1:])]
+        print(f"span {span:.0f} us (first start to last end); between kernels: {sum(g for g in gaps if g > 0):.0f} us "
+              f"idle, {-sum(g for g in gaps if g < 0):.0f} us overlapped")
+        gemv = [e for e in kernels if "_gemv_kernel" in e.name]
+        layers = len(st.layers)
+        if len(gemv) == 4 * layers + 1:
+            by = collections.defaultdict(float)
+            for i, e in enumerate(gemv):
+                by["lm_head" if i == len(gemv) - 1 else ("qkv", "o", "gate_up", "down")[i % 4]] += e.time_range.elapsed_us()
+            wb = {"qkv": "self_attn.qkv_proj.weight", "o": "self_attn.o_proj.weight",
+                  "gate_up": "mlp.gate_up_proj.weight", "down": "mlp.down_proj.weight"}
+            for proj, us in by.items():
+                if proj == "lm_head":
+                    nbytes = eng.model.vocab_size * eng.model.hidden_size * eng.state.dtype.itemsize
+                else:
+                    t = {**eng.state.weights, **eng.state.tables}[f"model.layers.{st.layers[0]}.{wb[proj]}"]
+                    nbytes = t.numel() * t.element_size() * layers
+                print(f"  gemv {proj:<8} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s")
+        prev = None
+        for e in kernels:
+            gap = e.time_range.start - prev if prev is not None else 0.0
+            print(f"  {gap:+7.1f} {e.time_range.elapsed_us():7.1f} us  {e.name[:60]}")
+            prev = e.time_range.end
     return 0
 
 

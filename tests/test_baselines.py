@@ -95,6 +95,20 @@ def test_knobs_rewrite_and_neighbours():
     assert not forward_bench.is_candidate("def main():\n    pass\n")
 
 
+def test_forward_bench_variants_write_merged_copies(tmp_path):
+    src = "KNOBS = {\n    'a': {'x': 1, 'y': 2},\n    'b': False,\n}\n\ndef forward(state, batch):\n    pass\n"
+    (tmp_path / "cand.py").write_text(src)
+    files = forward_bench.write_variants(tmp_path / "cand.py", {"y5": {"a": {"y": 5}}, "b": {"b": True}},
+                                         tmp_path / "v")
+    assert [f.name for f in files] == ["cand-y5.py", "cand-b.py"]
+    assert forward_bench.find_knobs(files[0].read_text())[0] == {"a": {"x": 1, "y": 5}, "b": False}
+    assert forward_bench.find_knobs(files[1].read_text())[0] == {"a": {"x": 1, "y": 2}, "b": True}
+    assert files[1].read_text().endswith("def forward(state, batch):\n    pass\n")
+    (tmp_path / "plain.py").write_text("def forward(state, batch):\n    pass\n")
+    with pytest.raises(ValueError, match="no KNOBS"):
+        forward_bench.write_variants(tmp_path / "plain.py", {"x": {}}, tmp_path / "v")
+
+
 def test_forward_bench_runs_on_cpu(tmp_path):
     ref = (ROOT / "engine_server" / "models" / "llama.py").read_text()
     (tmp_path / "knobbed.py").write_text("from engine_server.models import llama as ref\n\n"
