@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import baselines  # noqa: E402
 from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.engine import REFERENCE, Engine, EngineConfig  # noqa: E402
+from engine_server.graphs import capture  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from engine_server.state import decode_batch, prefill_batch  # noqa: E402
 
@@ -105,18 +106,23 @@ def merged(knobs: dict, override: dict) -> dict:
     return out
 
 
+def override_knobs(source: str, override: dict, what: str = "the source") -> str:
+    """`source` with `override` merged into its KNOBS literal."""
+    found = find_knobs(source)
+    if not found:
+        raise ValueError(f"{what} has no KNOBS literal to vary")
+    return rewrite_knobs(source, found[1], merged(found[0], override))
+
+
 def write_variants(path: Path, variants: dict, folder: Path) -> list[Path]:
     """Copies of the candidate at `path`, one per name in `variants`, with that entry's KNOBS
     overrides merged in: `folder`/<stem>-<name>.py."""
     src = _read(path)
-    found = find_knobs(src)
-    if not found:
-        raise ValueError(f"{path} has no KNOBS literal to vary")
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for name, override in variants.items():
         f = folder / f"{path.stem}-{name}.py"
-        f.write_text(rewrite_knobs(src, found[1], merged(found[0], override)))
+        f.write_text(override_knobs(src, override, str(path)))
         out.append(f)
     return out
 
@@ -288,24 +294,15 @@ def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, r
     return out
 
 
-def step_graph(cand, st, static, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+def step_graph(cand, st, static) -> "torch.cuda.CUDAGraph":
     """One CUDA graph for a whole greedy decode step on the engine's static batch-1 inputs:
-    cand.forward, the argmax written into the token input, the position advanced. Warm-up runs
-    on a side stream first (it writes K/V at the positions it passes; the caller resets them)."""
+    cand.forward, the argmax written into the token input, the position advanced. The
+    warm-up before the capture writes K/V at the positions it passes; the caller resets them."""
     def body() -> None:
         out = cand.forward(st, static)
         torch.argmax(out, -1, keepdim=True, out=static.tokens)
         static.positions.add_(1)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    return g
+    return capture(body)[0]
 
 
 def _timed(eng: Engine, fn) -> float:
@@ -675,8 +672,7 @@ def main() -> int:
         try:
             src = _read(f)
             if a.start_knobs:
-                knobs, span = find_knobs(src)
-                src = rewrite_knobs(src, span, merged(knobs, json.loads(a.start_knobs)))
+                src = override_knobs(src, json.loads(a.start_knobs), str(f))
             c = run.climb(f, src, share)
         except Exception as e:  # noqa: BLE001
             c = {"file": str(f), "error": short_error(e), "source": _read(f)}

@@ -107,11 +107,7 @@ results = []
 for case in cases:
     t0 = time.perf_counter()
     mod = load_module("interp_" + str(len(results)), source)
-    for key, val in case.get("knobs", {}).items():
-        if isinstance(val, dict):
-            mod.KNOBS[key].update(val)
-        else:
-            mod.KNOBS[key] = val
+    apply_knobs(mod.KNOBS, case.get("knobs", {}))
     layers = tuple(case["layers"]) if case.get("layers") is not None else base.layers
     r, rs, slots, lens = step(ref.forward, case["rows"], layers)
     c, cs, _, _ = step(mod.forward, case["rows"], layers)
@@ -164,14 +160,34 @@ BF16_CASES = [
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13)]
 
 
-def run_interpreter(path: Path, dtype: str, cases: list[dict]) -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_LOG_LEVEL="WARNING",
+SCRIPT_HELPERS = r'''
+def apply_knobs(knobs, override):
+    """Put a case's KNOBS overrides in: dicts merged one level down, other values replaced."""
+    for key, val in override.items():
+        if isinstance(val, dict):
+            knobs[key].update(val)
+        else:
+            knobs[key] = val
+'''
+
+
+def run_script(script: str, args: list[str], interpret: bool, **env_extra: str) -> list[dict]:
+    """Run SCRIPT_HELPERS + `script` in a fresh Python (Triton reads TRITON_INTERPRET at
+    import) with the project on its path; returns the JSON of its last `RESULTS ` line."""
+    env = dict(os.environ, TKCC_LOG_LEVEL="WARNING", **env_extra,
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(path), dtype, json.dumps(cases)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_HELPERS + script, *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
     return json.loads(line[len("RESULTS "):])
+
+
+def run_interpreter(path: Path, dtype: str, cases: list[dict]) -> list[dict]:
+    return run_script(INTERPRETER_SCRIPT, [str(path), dtype, json.dumps(cases)], interpret=True)
 
 
 @pytest.mark.slow
@@ -236,11 +252,7 @@ for conf in CONFIGS:
     mod.KNOBS.clear()
     mod.KNOBS.update(json.loads(json.dumps(knobs0)))
     mod.KNOBS["pdl"]["enabled"] = True
-    for key, val in conf.items():
-        if isinstance(val, dict):
-            mod.KNOBS[key].update(val)
-        else:
-            mod.KNOBS[key] = val
+    apply_knobs(mod.KNOBS, conf)
     for rows in (1, 2):  # the FMA GEMV and the tl.dot one
         mod.forward(state, decode_batch(torch.tensor([7, 11][:rows]), torch.tensor([5, 9][:rows]),
                                         torch.tensor([0, 1][:rows])))
@@ -277,16 +289,11 @@ print("RESULTS " + json.dumps(out))
 def test_pdl_kernels_compile_for_sm90():
     """With KNOBS["pdl"] on, every launch of a decode step (batch 1 and 2; RoPE in its own
     kernel or fused into attention, exact or online softmax, the norm fused into the batch-1
-    GEMVs or not) compiles for sm_90 with the PDL
-    launch flag, waits on the kernel before it and lets the next one launch; GEMVs with
-    PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches."""
-    env = dict(os.environ, TKCC_LOG_LEVEL="WARNING", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(EXAMPLES / "llama_triton_decode.py")],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+    GEMVs or not) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
+    and lets the next one launch; GEMVs with PF_STEPS and the first attention kernel with
+    PREFETCH_O carry their L2 prefetches."""
+    res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
+                     TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
     assert kernels == {"_add_norm_kernel", "_gemv_kernel", "_rope_kv_kernel", "_attn_kernel",
                        "_attn_combine_kernel"}, kernels

@@ -35,6 +35,22 @@ class StaticInputs:
         return static
 
 
+def capture(fn: Callable[[], object], pool=None, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `fn` `warmup` times on a side stream (as PyTorch requires before a capture), then
+    capture one call of it into a CUDA graph in `pool`. Returns the graph and that call's
+    output (the graph's static output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
 class StepGraphs:
     def __init__(self, forward: Callable, inputs: StaticInputs, pool=None, warmup: int = 2):
         self.forward = forward
@@ -50,16 +66,8 @@ class StepGraphs:
     def capture(self, state: State, batch_size: int) -> None:
         """Capture forward(state, static batch of `batch_size`); the caller restores the cache."""
         static = self.inputs.batches[batch_size]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup):
-                self.forward(state, static)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.forward(state, static)
-        self.graphs[self.key(state, batch_size)] = (g, out)
+        self.graphs[self.key(state, batch_size)] = capture(lambda: self.forward(state, static), self.pool,
+                                                           self.warmup)
 
     def run(self, state: State, batch: Batch) -> torch.Tensor:
         """Replay the graph for this shape if captured (inputs copied into the static
