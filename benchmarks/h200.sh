@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|fidelity|cycle|fidelity+cycle|memory|engine|tests
+#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -35,6 +35,12 @@ variants)  # KNOBS variants of the decode candidate side by side (no climb), and
         [[ -z "${PROFILE:-}" || " $PROFILE " == *" $name "* ]] || continue
         python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "$f" \
             >"$OUT/profile_$(basename "$f" .py).txt" 2>&1 || true
+    done
+    ;;
+attn)  # the decode example's attention kernels alone against the reference attention, shrunk and full preset
+    for shrink in --shrink ""; do
+        python3 benchmarks/attn_check.py --device cuda $shrink ${ATTN_SETTINGS:+--settings "$ATTN_SETTINGS"} \
+            --out "$OUT/attn${shrink:+_shrunk}.json" 2>&1 | grep -v '^{' | tee "$OUT/attn${shrink:+_shrunk}.txt"
     done
     ;;
 fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder

@@ -137,6 +137,23 @@ class Mismatch(BaseModel):
     candidate: float
 
 
+class TokenDivergence(BaseModel):
+    """Where the candidate's greedy tokens first leave the reference's, and how close the
+    choice was there. Both sides (and the wide run) had the same inputs up to that token."""
+    phase: str = Field(description="prefill (the row's prompt) or decode")
+    step: int = Field(description="decode step (prefill: 0)")
+    row: int
+    reference_token: int
+    candidate_token: int
+    reference_gap: float = Field(description="the reference's logit of its token minus its logit of the candidate's")
+    candidate_gap: float = Field(description="the candidate's logit of its token minus its logit of the reference's")
+    wide_gap: float | None = Field(None, description="tolerance mode: the reference run in the wider dtype, its "
+                                                     "logit of the reference's token minus that of the candidate's "
+                                                     "(negative: it prefers the candidate's)")
+    near_tie: bool = Field(description="the reference's gap is within NEAR_TIE_REL (2%) of its top logit: what "
+                                       "another summation order can flip")
+
+
 class ExactResult(BaseModel):
     candidate_id: str
     ok: bool = Field(description="the check ran to the end (false: the candidate failed to run)")
@@ -156,6 +173,8 @@ class ExactResult(BaseModel):
     kv_equal: bool = False
     max_abs_diff: float = 0.0
     first_mismatch: Mismatch | None = None
+    token_divergence: TokenDivergence | None = Field(None, description="where the greedy tokens first differ "
+                                                                       "(None: they never do)")
     violations: list[str] = Field(default_factory=list)
     error: ErrorInfo | None = None
     seconds: float = 0.0

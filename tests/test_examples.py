@@ -150,14 +150,10 @@ BF16_CASES = [
     {"rows": 2, "layers": [1, 3], "knobs": {"attn": SPLITS | EXACT}},
     {"rows": 3, "layers": [2], "knobs": {"attn": SPLITS | ONLINE}},
     {"rows": 1, "layers": [0], "knobs": {"attn": {"NSPLIT": 1, "BLOCK_S": 16} | EXACT | NOFUSE}},
-    {"rows": 1, "knobs": {"fuse_norm": True}},
-    {"rows": 1, "layers": [1, 3], "knobs": {"fuse_norm": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
-                                            "down": {"SPLIT_K": 5, "BLOCK_K": 32}, "gate_up": {"BLOCK_K": 64}}},
-    {"rows": 3, "layers": [2], "knobs": {"fuse_norm": True}},  # B > 1: _add_norm_kernel as before
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": False, "gemv": False}}},
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": True, "gemv": False}}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11)]
 
 
 SCRIPT_HELPERS = r'''
@@ -246,7 +242,7 @@ tables = ref.tables(cfg, weights, 64, torch.bfloat16, "cpu")
 k, v = new_cache(cfg, 3, 64, torch.bfloat16, "cpu")
 state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
-           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}, "fuse_norm": True}]
+           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -279,7 +275,7 @@ for fn, grid, args, kw in launches:
     out.append(dict(kernel=fn.__name__, launch_pdl=bool(c.metadata.launch_pdl), wait="griddepcontrol.wait" in ptx,
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
-                    norm=bool(consts.get("NORM")), fused_rope=bool(consts.get("FUSE_ROPE"))))
+                    fused_rope=bool(consts.get("FUSE_ROPE"))))
 print("RESULTS " + json.dumps(out))
 '''
 
@@ -288,8 +284,7 @@ print("RESULTS " + json.dumps(out))
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_pdl_kernels_compile_for_sm90():
     """With KNOBS["pdl"] on, every launch of a decode step (batch 1 and 2; RoPE in its own
-    kernel or fused into attention, exact or online softmax, the norm fused into the batch-1
-    GEMVs or not) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
+    kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
     and lets the next one launch; GEMVs with PF_STEPS and the first attention kernel with
     PREFETCH_O carry their L2 prefetches."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
@@ -302,4 +297,4 @@ def test_pdl_kernels_compile_for_sm90():
         assert r["prefetch"] == r["prefetch_wanted"], r
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
-    assert any(r["norm"] for r in res) and any(r["fused_rope"] for r in res)
+    assert any(r["fused_rope"] for r in res)

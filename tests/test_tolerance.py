@@ -106,3 +106,51 @@ def test_full_tier_near_ties():
     assert not near_tie(ref, torch.tensor([2, 0]))  # 10.0 against 20.0
     assert not near_tie(ref, torch.tensor([3, 0]))  # not among the reference's top 3
     assert not near_tie(ref, torch.tensor([1, 1]))  # row 1: 1.0 against 5.0
+
+
+def test_token_divergence_says_where_and_how_close(bf16_engine):
+    """A pass that swaps row 0's top two logits on some decode steps: both checks report the
+    first differing token, with each side's logit gap (and, in tolerance mode, the float32
+    run's) at that step, where all three had the same inputs."""
+    src = HEAD + '''
+def forward(state, batch):
+    out = ref.forward(state, batch)
+    if batch.seq_len == 1 and int(batch.positions[0, -1]) % 3 == 2:
+        a, b = out[0].float().topk(2).indices.tolist()
+        out = out.clone()
+        out[0, a], out[0, b] = out[0, b].clone(), out[0, a].clone()
+    return out
+'''
+    r = bf16_engine.submit_forward_pass(src, name="swap_top2")
+    for mode in ("bitwise", "tolerance"):
+        res = bf16_engine.check_bit_exact(r.candidate_id, mode=mode)
+        assert not res.tokens_equal and not res.exact, res
+        d = res.token_divergence
+        assert d is not None and d.phase == "decode" and d.row == 0 and 0 <= d.step <= 2, d
+        assert d.reference_token != d.candidate_token
+        assert d.reference_gap > 0 and d.candidate_gap == d.reference_gap  # the same two logits, swapped
+        assert (d.wide_gap is None) is (mode == "bitwise")
+    ok = bf16_engine.submit_forward_pass(HEAD + "def forward(state, batch):\n    return ref.forward(state, batch)\n")
+    assert bf16_engine.check_bit_exact(ok.candidate_id, mode="tolerance").token_divergence is None
+
+
+def test_token_divergence_steps_and_near_ties():
+    """_divergence maps stream index 0 to the row's prefill and s + 1 to decode step s, and a
+    gap within 2% of the reference's top logit is a near tie."""
+    import torch
+
+    from engine_server.exact import _divergence
+    pre = [torch.tensor([[9.0, 1.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0]])]  # rows 0, 1: tokens 0, 1
+    dec = [torch.tensor([[20.0, 19.9, 0.0], [0.0, 5.0, 1.0]])]  # step 0: row 0 near a tie between 0 and 1
+    cdec = [torch.tensor([[19.8, 20.0, 0.0], [0.0, 5.0, 1.0]])]
+    r_stream, c_stream = torch.tensor([[0, 1], [0, 1]]), torch.tensor([[0, 1], [1, 1]])
+    d = _divergence((pre, dec), (pre, cdec), ([None, None], [None]), r_stream, c_stream)
+    assert (d.phase, d.step, d.row, d.reference_token, d.candidate_token) == ("decode", 0, 0, 0, 1)
+    assert abs(d.reference_gap - 0.1) < 1e-5 and abs(d.candidate_gap - 0.2) < 1e-5 and d.wide_gap is None
+    assert d.near_tie  # 0.1 against a top of 20
+    cpre = [pre[0], torch.tensor([[0.0, 1.0, 9.0]])]  # row 1's prefill picks 2 where the reference has a gap of 8
+    wpre = [torch.tensor([[9.0, 1.0, 0.0]]), torch.tensor([[0.0, 8.0, 2.0]])]
+    d = _divergence((pre, dec), (cpre, cdec), (wpre, [None]), r_stream, torch.tensor([[0, 2], [1, 1]]))
+    assert (d.phase, d.step, d.row, d.reference_token, d.candidate_token) == ("prefill", 0, 1, 1, 2)
+    assert d.reference_gap == 8.0 and d.candidate_gap == 8.0 and d.wide_gap == 6.0 and not d.near_tie
+    assert _divergence((pre, dec), (pre, dec), ([None, None], [None]), r_stream, r_stream) is None

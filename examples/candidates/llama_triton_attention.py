@@ -22,8 +22,7 @@ to the CPU reference's. On the CPU without the interpreter the reference runs: b
 
 Per layer, decode (B rows, D hidden, H q heads, KV kv heads, hd head dim, I intermediate):
 
-    add_norm      x += sum(partials); h = rms_norm(x)       (first layer: x = embed[tokens];
-                  fuse_norm, B == 1: inside the next GEMV, as both add_norms of a layer)
+    add_norm      x += sum(partials); h = rms_norm(x)       (first layer: x = embed[tokens])
     gemv qkv      partials[s] = h @ Wqkv[:, ks]^T           (split-K s, float32 partials)
     rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v  (FUSE_ROPE: in attn)
     attn_split    flash-decode over positions 0..pos of the row's own slot, sequence split
@@ -90,9 +89,6 @@ KNOBS = {
     # FMA path (B == 1): reduce each [BLOCK_N, BLOCK_K] product along K at every step into a
     # [BLOCK_N] accumulator (fewer registers: room for larger tiles) instead of once at the end
     "gemv_reduce_each_step": False,
-    # B == 1: the residual add + RMSNorm before qkv and gate_up runs inside those GEMVs (each
-    # program recomputes the row's mean square; no _add_norm_kernel launch) instead of apart
-    "fuse_norm": False,
     # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
     # rounds the probabilities where the reference does (normalised, then cast): one more
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
@@ -235,12 +231,10 @@ if HAVE_TRITON:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
                      stride_xb, stride_wn, stride_os, stride_ob,
-                     br_ptr, nw_ptr, xo_ptr, NBR, stride_br_s, eps,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr,
-                     NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -253,11 +247,6 @@ if HAVE_TRITON:
         store casts to out's dtype (float32 partials, or the model dtype).
         PDL: before waiting for the kernel before it, the program prefetches its first PF_STEPS
         K steps of weight rows (PF_W lines of a row per step) into L2.
-        NORM (B == 1, FMA path): x is not the GEMV's input but the residual stream before the
-        add; the input is rms_norm(x + sum of the NBR branch partials at br_ptr) * nw, computed
-        here as _add_norm_kernel computes it (each program takes the row's mean square, then
-        rebuilds its K tiles of the normed row), and program (0, 0) stores the new residual
-        x + branch to xo_ptr (another buffer: the other programs still read x).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -280,14 +269,6 @@ if HAVE_TRITON:
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
         _pdl_wait(PDL)
-        if NORM:
-            offs_d = tl.arange(0, BLOCK_D)
-            dm = offs_d < K
-            xr = _add_branch(tl.load(x_ptr + offs_d, mask=dm, other=0.0).to(tl.float32), br_ptr, offs_d, dm,
-                             NBR, stride_br_s, x_ptr, BLOCK_D)
-            first = (pid_n + pid_k + 0 * offs_d) == 0  # full-shape: the interpreter rejects scalar masks
-            tl.store(xo_ptr + offs_d, _to(xr, x_ptr), mask=dm & first)
-            rstd = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / K + eps)
         if USE_DOT:
             acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
@@ -306,14 +287,7 @@ if HAVE_TRITON:
                 k_mask = offs_k < K
                 wm = n_mask[:, None] & k_mask[None, :]
                 xm = b_mask[:, None] & k_mask[None, :]
-            if NORM:  # this K tile of rms_norm(x + branch) * nw, rounded as _add_norm_kernel rounds h
-                km = offs_k < K
-                xk = _add_branch(tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32), br_ptr, offs_k,
-                                 km, NBR, stride_br_s, x_ptr, BLOCK_K)
-                nk = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
-                xt = _to(xk * rstd * nk, x_ptr)[None, :]  # [1, BLOCK_K]
-            else:
-                xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
+            xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
             wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
             if SILU:
                 wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
@@ -618,13 +592,11 @@ def _line(t: torch.Tensor) -> int:
     return max(1, 128 // t.element_size())
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None):
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
-    norm = (branch, weight, eps, x_out), B == 1 only: x is the residual before the add, the
-    GEMV's input is rms_norm(x + sum(branch)) * weight and x + sum(branch) goes to x_out.
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -642,19 +614,12 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     out = torch.empty(split, B, N, device=x.device, dtype=dtype)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
-    if norm is not None:
-        assert B == 1 and not use_dot, "the fused norm is the batch-1 FMA path's"
-        br, nw, eps, xo = norm
-        fused = (br, nw, xo, br.shape[0], br.stride(0), eps)
-    else:
-        fused = (x, x, x, 0, 0, 0.0)
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
-                       x.stride(0), w.stride(0), out.stride(0), out.stride(1), *fused,
+                       x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(KNOBS.get("gemv_reduce_each_step", False)),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)),
-                       NORM=norm is not None, BLOCK_D=_pow2(K) if norm is not None else 1,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -758,25 +723,16 @@ def _decode(state, batch):
     tokens = batch.tokens[:, 0]
     pos = batch.positions[:, -1]
     slots = batch.slots
-    # the residual stream; with the norm fused into the GEMVs, two buffers taken in turn (a
-    # fused GEMV reads one while its program (0, 0) writes x + branch to the other)
-    fuse = (bool(KNOBS.get("fuse_norm", False)) and _stage("norm") and _stage("gemv")
-            and B < int(KNOBS["gemv_dot_min_rows"]))
-    xs = [torch.empty(B, D, device=dev, dtype=dtype) for _ in range(2 if fuse else 1)]
-    h = torch.empty(B, D, device=dev, dtype=dtype)  # the normed copy, input of the next GEMV
+    x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
+    h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
     branch = None  # partials of the last projection, added to x by the next norm
 
     def normed_gemv(weight, norm_w, knob, silu=False):
-        """The GEMV of rms_norm(x + branch): fused, or _add_norm then the GEMV."""
-        nonlocal xs
-        if fuse and branch is not None:
-            out = _gemv(xs[0], weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(branch, norm_w, eps, xs[1]))
-            xs = xs[::-1]
-            return out
+        """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
         first = branch is None
-        _add_norm(xs[0], h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
+        _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
         return _linear(h, weight, knob, silu=silu, pdl=pdl)
 
     for layer in state.layers:
@@ -788,7 +744,4 @@ def _decode(state, batch):
         act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
                           silu=True)[0]
         branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
-    first = branch is None
-    _add_norm(xs[0], h, branch, w["model.norm.weight"], eps, tokens if first else None, emb if first else None,
-              pdl=pdl)
-    return _linear(h, lm_head_weight(state), "lm_head", pdl=pdl)[0]
+    return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]

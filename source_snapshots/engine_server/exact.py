@@ -23,7 +23,11 @@ reference that is already exact at its width):
 
     max|cand - wide| <= factor * max|ref - wide| + floor * max|wide|
 
-and the greedy tokens must be identical. This is the FlashAttention tests' criterion (no
+and the greedy tokens must be identical. Where they are not (either mode), `token_divergence`
+says at which step and row they first part and how close the choice was there: each side's
+logit gap between the two tokens, the wide run's, and whether the reference's is a near tie
+(within 2% of its top logit), the kind another summation order can flip on a random-weight
+model. This is the FlashAttention tests' criterion (no
 more error than the framework's own implementation of the same thing, against a more
 precise one); a fixed atol/rtol on logits is not, since what a bf16 model's last-bit flips
 grow into over its layers depends on the model. K/V in the candidate's own cells may then
@@ -36,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_server.measure import call, compare, run_step
-from engine_server.results import ExactResult, Mismatch
+from engine_server.measure import NEAR_TIE_REL, call, compare, run_step
+from engine_server.results import ExactResult, Mismatch, TokenDivergence
 from engine_server.state import decode_batch, prefill_batch
 
 
@@ -192,6 +196,8 @@ def check(eng, cand, mode: str = "bitwise", factor: float = 2.0, floor: float = 
     for s, (r, c, w) in enumerate(zip(r_dec, c_dec, w_dec)):
         diff.logits("decode", s, r, c, w)
     res.tokens_equal = torch.equal(r_stream, c_stream)
+    if not res.tokens_equal:
+        res.token_divergence = _divergence((r_pre, r_dec), (c_pre, c_dec), (w_pre, w_dec), r_stream, c_stream)
     res.kv_equal = all(torch.equal(a, b) for a, b in zip(r_kv[0] + r_kv[1], c_kv[0] + c_kv[1]))
     if not res.kv_equal:
         res.violations.append(_kv_report(eng, r_kv, c_kv, prompts, cfg.exact_steps))
@@ -239,6 +245,29 @@ def check(eng, cand, mode: str = "bitwise", factor: float = 2.0, floor: float = 
         res.close = diff.close and res.tokens_equal and not own_cells
         res.tolerance = {"factor": factor, "floor": floor, "wide_dtype": str(wide.dtype)}
     return res
+
+
+def _divergence(ref, cand, wide, r_stream, c_stream) -> TokenDivergence | None:
+    """The first (step, row) whose greedy token differs, with each side's logit gap there.
+    ref / cand / wide: (prefill logits per row, decode logits per step); stream[0] holds each
+    row's token from its prefill, stream[s + 1] the tokens of decode step s."""
+    if r_stream.shape != c_stream.shape:
+        return None
+    where = (r_stream != c_stream).nonzero()
+    if len(where) == 0:
+        return None
+    t, row = where[0].tolist()
+
+    def logits(side):
+        out = side[0][row] if t == 0 else side[1][t - 1]
+        return None if out is None else out[0 if t == 0 else row].float()
+    a, b = int(r_stream[t, row]), int(c_stream[t, row])
+    r, c, w = logits(ref), logits(cand), logits(wide)
+    gap = (r[a] - r[b]).item()
+    return TokenDivergence(phase="prefill" if t == 0 else "decode", step=max(0, t - 1), row=row,
+                           reference_token=a, candidate_token=b, reference_gap=gap, candidate_gap=(c[b] - c[a]).item(),
+                           wide_gap=None if w is None else (w[a] - w[b]).item(),
+                           near_tie=gap <= NEAR_TIE_REL * max(1.0, abs(r.max().item())))
 
 
 def _kv_report(eng, r_kv, c_kv, prompts, steps) -> str:
