@@ -12,7 +12,8 @@ One process, one GPU:
    transformers `generate`;
 3. hill-climbs through the engine's own tools: for each file that defines a module-level
    `KNOBS = {...}` literal, one knob at a time is doubled or halved (ints that are powers of
-   two; other ints +-1; bools flipped) by rewriting that literal in the source, submitted
+   two; other ints +-1; bools flipped; a step that neither wins nor loses is followed by one
+   more in the same direction) by rewriting that literal in the source, submitted
    with `submit_forward_pass(parent=...)` and measured with `measure_fast`; a move is kept
    only when its batch-1 decode speedup over the reference (geometric mean of the fast
    tier's batch-1 decode shapes, measured twice) beats the current best by `--min-gain`
@@ -187,6 +188,19 @@ def neighbours(v) -> list:
             return [x for x in (v * 2, v // 2) if 1 <= x <= 8192]
         return [x for x in (v + 1, v - 1) if x >= 1]
     return []
+
+
+def beyond(v, nb):
+    """The value one step past `nb` (a neighbour of `v`) in the same direction, or None: where
+    the climb looks when a step lands on a plateau (a launch option whose first doubling gains
+    nothing may gain at the second)."""
+    if isinstance(v, bool) or not isinstance(v, int) or nb == v:
+        return None
+    if v > 0 and v & (v - 1) == 0:
+        far = nb * 2 if nb > v else nb // 2
+        return far if 1 <= far <= 8192 and far != nb else None
+    far = nb + (nb - v)
+    return far if far >= 1 else None
 
 
 # ---- measurements through the engine ---------------------------------------------------
@@ -404,7 +418,9 @@ class Run:
             f"knobs {knobs0}")
         seen = {repr(knobs0)}
         # coordinate descent: each knob in turn (sizes first, switches last), each direction
-        # followed while it wins; passes repeat while any move was kept and time is left
+        # followed while it wins; a step that neither wins nor loses by min_gain (a plateau)
+        # is followed by one more step past it; passes repeat while any move was kept and time
+        # is left
         paths = sorted((p for p, _ in leaves(knobs0)), key=lambda p: isinstance(_get(knobs0, p), bool))
         improved = True
         while improved and time.perf_counter() < deadline and not self.cuda_broken:
@@ -415,12 +431,21 @@ class Run:
                         nbs = neighbours(_get(best["knobs"], kpath))
                         if d >= len(nbs):
                             break
+                        cur, at = _get(best["knobs"], kpath), best["obj"]
                         trial_knobs = with_value(best["knobs"], kpath, nbs[d])
                         if repr(trial_knobs) in seen:
                             break
                         seen.add(repr(trial_knobs))
                         t, best = self._move(path, stem, source, span, kpath, nbs[d], trial_knobs, best)
                         out["trials"] += 1
+                        far = beyond(cur, nbs[d])
+                        if (not t["accepted"] and far is not None and t.get("objective")
+                                and t["objective"] >= at * (1 - self.a.min_gain)):
+                            far_knobs = with_value(best["knobs"], kpath, far)
+                            if repr(far_knobs) not in seen:
+                                seen.add(repr(far_knobs))
+                                t, best = self._move(path, stem, source, span, kpath, far, far_knobs, best)
+                                out["trials"] += 1
                         if not t["accepted"]:
                             break
                         out["moves"] += 1

@@ -140,3 +140,42 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert (tmp_path / "win" / "copy.py").read_text() == ref and (tmp_path / "win" / "results.json").exists()
     assert not (tmp_path / "win" / "broken.py").exists()
     assert "x ref" in p.stdout
+
+
+def test_climb_looks_past_a_plateau():
+    """A knob whose first doubling gains less than --min-gain but whose second gains more:
+    the climb takes one more step past the plateau and keeps it; a loss stops it."""
+    from types import SimpleNamespace as NS
+    score = {4: 1.0, 8: 1.004, 16: 1.05, 32: 0.9, 2: 0.99, 1: 0.98}  # objective by num_warps
+
+    class Eng:
+        cuda = False
+        objs: dict = {}
+
+        def measure_fast(self, cid):
+            o = self.objs[cid]
+            return NS(ok=True, valid=True, speedup=o, shapes=[NS(batch=1, shape="decode B=1", speedup=o)])
+
+        def check_bit_exact(self, cid, mode="bitwise"):
+            return NS(ok=True, exact=True, close=True, tokens_equal=True, kv_equal=True, max_abs_diff=0.0,
+                      candidate_error=None, reference_error=None, tolerance_used=None, first_mismatch=None,
+                      violations=[], error=None, seconds=0.0)
+
+        def remove(self, cid):
+            pass
+
+    class Stub(forward_bench.Run):
+        def try_candidate(self, name, source, parent):
+            o = score[forward_bench.find_knobs(source)[0]["w"]]
+            cid = f"c{len(self.trials)}"
+            self.eng.objs[cid] = o
+            return {"name": name, "ok": True, "candidate_id": cid, "objective": o, "samples": [o]}
+
+    src = "KNOBS = {'w': 4}\n\ndef forward(state, batch):\n    pass\n"
+    run = Stub(Eng(), NS(min_gain=0.01), 0.0)
+    out = run.climb(Path("k.py"), src, budget_s=60)
+    assert out["knobs"] == {"w": 16} and out["moves"] == 1, out
+    tried = [t["name"] for t in run.trials]
+    assert "k[w=8]" in tried and "k[w=16]" in tried and "k[w=32]" in tried and "k[w=64]" not in tried
+    assert forward_bench.beyond(4, 8) == 16 and forward_bench.beyond(4, 2) == 1 and forward_bench.beyond(1, 2) == 4
+    assert forward_bench.beyond(3, 4) == 5 and forward_bench.beyond(2, 1) is None and forward_bench.beyond(True, False) is None

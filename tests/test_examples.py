@@ -298,3 +298,49 @@ def test_pdl_kernels_compile_for_sm90():
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
+
+
+# ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------
+
+ATTN_CHECK_SCRIPT = r'''
+import json, sys
+from benchmarks.attn_check import check
+import torch
+settings = {"exact-split": {"EXACT_SOFTMAX": True, "NSPLIT": 4, "BLOCK_S": 16},
+            "online-fuse": {"EXACT_SOFTMAX": False, "NSPLIT": 4, "BLOCK_S": 16, "FUSE_ROPE": True},
+            "broken-scale": {"EXACT_SOFTMAX": True, "NSPLIT": 1}}
+import benchmarks.attn_check as ac
+orig = ac.run_case
+def run_case(mod, state, knobs, positions, slots, seed):
+    if knobs.get("NSPLIT") == 1:  # a deliberately wrong kernel: the check must see it
+        real = mod._attn_kernel
+        class Wrong:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    a = list(a); a[9] = a[9] * 2.0  # the softmax scale, doubled
+                    return real[grid](*a, **kw)
+                return launch
+        mod._attn_kernel = Wrong()
+        try:
+            return orig(mod, state, knobs, positions, slots, seed)
+        finally:
+            mod._attn_kernel = real
+    return orig(mod, state, knobs, positions, slots, seed)
+ac.run_case = run_case
+res = check("llama-3.2-1b", True, "cpu", torch.bfloat16, settings, [0, 17, 40], max_seq=64)
+print("RESULTS " + json.dumps(res["settings"]))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_attn_check_tells_rounding_from_a_bug():
+    """benchmarks/attn_check.py under the interpreter: the example's attention settings agree
+    with the reference attention to rounding, K/V cells included, and a kernel fed a doubled
+    softmax scale is far off."""
+    rows = {r["setting"]: r for r in run_script(ATTN_CHECK_SCRIPT, [], interpret=True)}
+    for name in ("exact-split", "online-fuse"):
+        assert rows[name]["finite"] and rows[name]["worst_rel_err"] < 2e-2, rows[name]
+        assert rows[name]["kv_max_diff"] == 0.0, rows[name]  # RoPE rounded where the reference rounds
+        assert len(rows[name]["cases"]) == 6  # 3 positions, batch 1 and batch 2
+    assert rows["broken-scale"]["worst_rel_err"] > 0.1, rows["broken-scale"]
