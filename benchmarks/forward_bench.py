@@ -233,7 +233,9 @@ def _exact_dict(r) -> dict:
     return {"ok": r.ok, "exact": r.exact, "close": r.close, "tokens_equal": r.tokens_equal, "kv_equal": r.kv_equal,
             "max_abs_diff": r.max_abs_diff, "candidate_error": r.candidate_error,
             "reference_error": r.reference_error, "tolerance_used": r.tolerance_used,
-            "first_mismatch": r.first_mismatch.model_dump() if r.first_mismatch else None, "violations": r.violations, "error": r.error.model_dump() if r.error else None, "seconds": r.seconds}
+            "first_mismatch": r.first_mismatch.model_dump() if r.first_mismatch else None,
+            "token_divergence": r.token_divergence.model_dump() if r.token_divergence else None,
+            "violations": r.violations, "error": r.error.model_dump() if r.error else None, "seconds": r.seconds}
 
 
 def _fast_dict(m) -> dict:

@@ -159,7 +159,7 @@ def test_climb_looks_past_a_plateau():
         def check_bit_exact(self, cid, mode="bitwise"):
             return NS(ok=True, exact=True, close=True, tokens_equal=True, kv_equal=True, max_abs_diff=0.0,
                       candidate_error=None, reference_error=None, tolerance_used=None, first_mismatch=None,
-                      violations=[], error=None, seconds=0.0)
+                      token_divergence=None, violations=[], error=None, seconds=0.0)
 
         def remove(self, cid):
             pass

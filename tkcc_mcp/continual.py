@@ -291,7 +291,7 @@ class Continual:
         ev: dict = {"campaign_candidate": cid, "engine": client.url}
         exact = client.call("check_bit_exact", candidate_id=cid)
         ev["exact"] = {k: exact.get(k) for k in ("ok", "exact", "tokens_equal", "kv_equal", "max_abs_diff",
-                                                 "first_mismatch", "violations")}
+                                                 "first_mismatch", "token_divergence", "violations")}
         serving, s_speed = self.service.active, 1.0
         if serving != "reference":
             src = self.service.engine.candidates[serving].source
