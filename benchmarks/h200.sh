@@ -18,12 +18,13 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader >"$OUT/nvidia_smi.txt"
 ladder=(examples/candidates/llama_triton_decode.py examples/candidates/llama_triton_attn_norm.py
         examples/candidates/llama_triton_attention.py)
+winners=(examples/candidates/llama_triton_decode_h200.py)  # evaluated beside the ladder, not climbed
 
 case "${1:?stage}" in
 forward)  # batch-1 decode: hill-climb the example candidates, against torch.compile and HF
     python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
         --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} \
-        --winners-dir "$OUT/winners" "${ladder[@]}" 2>&1 | tee "$OUT/forward.log"
+        --winners-dir "$OUT/winners" "${ladder[@]}" "${winners[@]}" 2>&1 | tee "$OUT/forward.log"
     python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
     ;;
 variants)  # KNOBS variants of the decode candidate side by side (no climb), and each one's kernel profile

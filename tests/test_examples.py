@@ -2,7 +2,7 @@
 
 1. Each installs in the CPU engine (the `llama_engine` fixture) and is bitwise exact there:
    on the CPU without the Triton interpreter their decode path falls back to the reference.
-2. The ladder files are what make_ladder.py writes from llama_triton_decode.py.
+2. The ladder files and the H200 winner are what make_ladder.py writes from llama_triton_decode.py.
 3. With `triton` importable, the Triton decode path itself runs under the Triton
    interpreter (TRITON_INTERPRET=1, in a subprocess: it must be set before triton is
    imported) on CPU tensors of a shrunk Llama, float32 and bfloat16, against the reference:
@@ -32,7 +32,8 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 def test_examples_exist():
     names = {p.name for p in CANDIDATES}
-    assert {"llama_triton_decode.py", "llama_triton_attention.py", "llama_triton_attn_norm.py"} <= names
+    assert {"llama_triton_decode.py", "llama_triton_attention.py", "llama_triton_attn_norm.py",
+            "llama_triton_decode_h200.py"} <= names
 
 
 @pytest.mark.parametrize("path", CANDIDATES, ids=lambda p: p.stem)
@@ -50,8 +51,10 @@ def test_ladder_files_are_current():
     spec = importlib.util.spec_from_file_location("make_ladder", EXAMPLES / "make_ladder.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for name in mod.LADDER:
+    for name in [*mod.LADDER, *mod.WINNERS]:
         assert (EXAMPLES / name).read_text() == mod.render(name), f"{name} is stale: run make_ladder.py"
+    winner = (EXAMPLES / "llama_triton_decode_h200.py").read_text()
+    assert '"EXACT_SOFTMAX": False, "FUSE_ROPE": True' in winner and '"PREFETCH_O": True' in winner
 
 
 # ---- the Triton kernels under the interpreter ------------------------------------------

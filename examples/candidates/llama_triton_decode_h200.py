@@ -1,0 +1,758 @@
+"""The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):
+llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention,
+and o_proj's weight prefetched into L2 by the first attention kernel. 1,108.8 tok/s
+(902 us a token) against the engine reference's 495.2 (2.24x) in one run
+(benchmarks/results/h200_variants_best.json). Gate: tolerance on that preset (identical
+greedy tokens); on the shrunk preset the tolerance gate fails it by a near tie (the
+reference's top two logits one bf16 ulp apart at decode step 4: h200_online_softmax_gate.json),
+which is why llama_triton_decode.py keeps exact softmax.
+
+Llama decode in Triton: fused RMSNorm, bandwidth GEMVs, RoPE + K/V write, flash-decode.
+
+What it changes: for decode steps (batch.seq_len == 1) on CUDA (or on CPU tensors under the
+Triton interpreter, TRITON_INTERPRET=1) the whole forward pass runs as Triton kernels, 10
+launches per layer (8 with online softmax and FUSE_ROPE) instead of ~28. Prefill (T > 1), devices without Triton and model
+features these kernels do not cover (q/k/v bias, qk-norm, MoE, non-SiLU MLP) run the
+reference (`engine_server.models.llama.forward`) unchanged.
+
+Gate: `check_bit_exact(mode="tolerance")` -> `close` with identical greedy tokens. On CUDA
+it is not bitwise against cuBLAS (another summation order), but it accumulates in float32
+everywhere and rounds to the model dtype exactly where the reference rounds (projection
+outputs, RoPE products and sum, attention scores, softmax probabilities after normalising
+with KNOBS["attn"]["EXACT_SOFTMAX"], residual adds, norms, SiLU and its product), so what
+remains is the odd last-bit flip of a different accumulation order. Under the Triton
+interpreter on the CPU (shrunk Llama, bfloat16) its logits and K/V cache are bitwise equal
+to the CPU reference's. On the CPU without the interpreter the reference runs: bitwise.
+
+Per layer, decode (B rows, D hidden, H q heads, KV kv heads, hd head dim, I intermediate):
+
+    add_norm      x += sum(partials); h = rms_norm(x)       (first layer: x = embed[tokens])
+    gemv qkv      partials[s] = h @ Wqkv[:, ks]^T           (split-K s, float32 partials)
+    rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v  (FUSE_ROPE: in attn)
+    attn_split    flash-decode over positions 0..pos of the row's own slot, sequence split
+                  (exact softmax: a statistics pass first, one more launch)
+    attn_combine  merge the splits (skipped when NSPLIT == 1)
+    gemv o        partials = o @ Wo^T
+    add_norm      x += sum(partials); h = rms_norm(x)
+    gemv gate_up  act = silu(h @ Wg^T) * (h @ Wu^T)        (one program reads both halves)
+    gemv down     partials = act @ Wdown^T
+    ... final add_norm with model.norm, gemv lm_head -> logits [B, vocab] (model dtype)
+
+Contract kept: `state.weights` and `state.tables` are only read; K/V go only into the cells
+(batch.slots[b], batch.positions[b, -1]) of the layers in `state.layers`; attention reads
+positions 0..positions[b] only (a loop bound read on the device: no host sync, so the step
+is CUDA-graph capturable); nothing is kept across calls (buffers are allocated per call, the
+kernels are compiled per shape during the engine's warm-up, no autotuning); any batch size.
+
+With KNOBS["pdl"] (sm_90+) every kernel is launched with programmatic dependent launch: it
+starts while the kernel before it runs and waits for it (griddepcontrol.wait) before it reads
+anything a kernel wrote; the results are bitwise those of plain launches (tests/test_gpu.py).
+
+Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
+- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: the climb's
+  winner, the KNOBS of that time with online softmax, RoPE fused into attention and
+  PREFETCH_O, 1,058 tok/s (945 us a token) against the engine reference's 499,
+  torch.compile(reduce-overhead)'s 727 and HF's 53; tolerance gate (error 1.78 from the
+  float32 reference against the bf16 reference's own 1.79), not bitwise.
+- Since then norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is latency-bound)
+  and qkv num_warps 4 -> 8, moves of more than one doubling the climb does not make
+  (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json): these KNOBS give 1,071 tok/s
+  against the reference's 494 and 1,020 with the norm's 4 warps, in one run; with the
+  winner's attention settings 1,109 tok/s (902 us) against 495 (h200_variants_best.json).
+- The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
+  preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
+  bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top
+  two logits are one ulp apart: h200_online_softmax_gate.json), and the gate asks for
+  identical tokens.
+- PDL alone: 1,005 against 921 tok/s without it (h200_variants_pdl.json); L2 prefetches of
+  the big GEMVs' weights before the wait cost more than they hide (827 with all of them);
+  the norms fused into the GEMVs cost more than their launches (h200_variants_fuse_norm*.json).
+
+KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
+each group of kernels off (back to PyTorch) independently: the same file is the ladder
+attention-only -> +norm -> +gemv (see make_ladder.py next to it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engine_server.models import llama as ref
+from engine_server.models.common import apply_rope, attention as ref_attention, lm_head_weight
+
+KNOBS = {
+    # GEMV per projection. BLOCK_N weight rows per program, BLOCK_K columns per loop step,
+    # SPLIT_K programs along K (float32 partials summed by the next kernel; gate_up and
+    # lm_head must keep 1), num_warps / num_stages as Triton launch options; with PDL, each
+    # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits.
+    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0},
+    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0},
+    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    # rows >= this use tl.dot on a 16-row padded tile (weights read once for all rows);
+    # below it, a float32 FMA reduction (B == 1)
+    "gemv_dot_min_rows": 2,
+    "gemv_dot_block_b": 16,  # rows per program on the tl.dot path (>= 16)
+    # FMA path (B == 1): reduce each [BLOCK_N, BLOCK_K] product along K at every step into a
+    # [BLOCK_N] accumulator (fewer registers: room for larger tiles) instead of once at the end
+    "gemv_reduce_each_step": False,
+    # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
+    # rounds the probabilities where the reference does (normalised, then cast): one more
+    # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
+    # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
+    # _rope_kv_kernel launch).
+    "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": False, "FUSE_ROPE": True, "num_warps": 4,
+             "num_stages": 4},
+    "combine": {"num_warps": 2},
+    "norm": {"num_warps": 16},
+    "rope": {"num_warps": 2},
+    # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
+    # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
+    # a kernel writes. PREFETCH_O: the first attention kernel pulls o_proj's weight into L2
+    # before it waits (weights are never written; see also the GEMVs' PF_STEPS).
+    "pdl": {"enabled": True, "PREFETCH_O": True},
+    "stages": {"attention": True, "norm": True, "gemv": True},
+}
+
+try:  # Triton is optional: without it every call runs the reference
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # noqa: BLE001 - ImportError, or a broken install
+    HAVE_TRITON = False
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _supported(state, batch) -> bool:
+    """Decode on a device Triton can run, for the model features the kernels implement."""
+    cfg = state.config
+    if not HAVE_TRITON or batch.seq_len != 1:
+        return False
+    if state.device.type != "cuda" and not _interpreting():
+        return False
+    if cfg.is_moe or cfg.attention_bias or cfg.qk_norm or cfg.hidden_act != "silu":
+        return False
+    hd = cfg.head_dim
+    return hd % 2 == 0 and (hd & (hd - 1)) == 0 and cfg.num_heads % cfg.num_kv_heads == 0
+
+
+def forward(state, batch):
+    if not _supported(state, batch):
+        return ref.forward(state, batch)
+    return _decode(state, batch)
+
+
+# ---- kernels ---------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) casts float32 -> bfloat16 by
+    # truncation and multiplies bfloat16 tiles as raw integers in tl.dot; with _INTERP set
+    # the kernels round to nearest even in software and feed tl.dot float32. No effect on GPU.
+    _INTERP = tl.constexpr(_interpreting())
+
+    @triton.jit
+    def _to(x, like_ptr):
+        """float32 `x` cast to the element type of `like_ptr`, round to nearest even."""
+        if _INTERP:
+            if like_ptr.dtype.element_ty == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+                x = bits.to(tl.float32, bitcast=True)
+        return x.to(like_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _round(x, like_ptr):
+        """Round float32 `x` to the element type of `like_ptr` and back (the reference's
+        rounding point between two ops); a no-op for float32 models."""
+        return _to(x, like_ptr).to(tl.float32)
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b with float32 accumulation (IEEE: no TF32 for float32 operands)."""
+        if _INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        elif IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """With PDL: wait for the kernel before this one to finish (its writes visible), then
+        let the next kernel launch. Nothing a kernel writes may be read before this."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _prefetch(ptrs):
+        """Pull the lines at `ptrs` into L2: a hint, no result (callers clamp to valid addresses)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _add_branch(x, br_base, offs, m, NBR, stride_br_s, like_ptr, BLOCK: tl.constexpr):
+        """x + the sum over s < NBR of the branch partials at br_base + s * stride_br_s + offs
+        (any dtype), the branch rounded to like_ptr's dtype before the add and the sum after
+        it, as `x + linear(...)` rounds: float32."""
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, NBR):
+            acc += tl.load(br_base + s * stride_br_s + offs, mask=m, other=0.0).to(tl.float32)
+        return _round(x + _round(acc, like_ptr), like_ptr)
+
+    @triton.jit
+    def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
+                         D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
+                         GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
+        """One program per row b (x, h: [B, D] contiguous, model dtype).
+
+        GATHER: x[b] = emb[tok[b]] first (the embedding lookup). HAS_BRANCH: x[b] += the sum
+        over s < NBR of br[s, b] (split-K partials, any dtype), the branch rounded to the
+        model dtype before the add and the sum after it, as `x + linear(...)` rounds.
+        Then h[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, rounded once.
+        """
+        _pdl_wait(PDL)
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
+        if GATHER:
+            tok = tl.load(tok_ptr + b * stride_tok)
+            x = tl.load(emb_ptr + tok * stride_emb + offs, mask=m, other=0.0).to(tl.float32)
+            if not HAS_BRANCH:
+                tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
+        else:
+            x = tl.load(x_ptr + b * D + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BRANCH:
+            x = _add_branch(x, br_ptr + b * stride_br_b, offs, m, NBR, stride_br_s, x_ptr, BLOCK_D)
+            tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
+        var = tl.sum(x * x, axis=0) / D
+        r = 1.0 / tl.sqrt(var + eps)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
+                     stride_xb, stride_wn, stride_os, stride_ob,
+                     SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                     REDUCE_EACH: tl.constexpr,
+                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr):
+        """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
+
+        Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
+        BLOCK_N weight rows once for all of its BLOCK_B rows of x. USE_DOT: tl.dot on a
+        [BLOCK_B, BLOCK_K] x [BLOCK_K, BLOCK_N] tile (BLOCK_B >= 16, padding rows masked);
+        else BLOCK_B == 1 and a float32 multiply-accumulate reduced once at the end (REDUCE_EACH:
+        reduced along K at every step into a [BLOCK_N] accumulator).
+        SILU (SPLIT_K == 1): also reads rows n + N_UP and stores silu(gate) * up, with the
+        reference's roundings (gate, up, silu(gate), product). Accumulation is float32; the
+        store casts to out's dtype (float32 partials, or the model dtype).
+        PDL: before waiting for the kernel before it, the program prefetches its first PF_STEPS
+        K steps of weight rows (PF_W lines of a row per step) into L2.
+        """
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_b = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        b_mask = offs_b < B
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        wu_rows = w_rows + N_UP * stride_wn
+        x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
+        k_lo = pid_k * K_SPLIT
+        if PDL:
+            if PF_STEPS > 0:  # weights only: no kernel writes them
+                rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+                lines = tl.arange(0, PF_W) * (BLOCK_K // PF_W)
+                for j in range(0, PF_STEPS):
+                    kk = tl.minimum(k_lo + j * BLOCK_K + lines, K - 1)[None, :]
+                    _prefetch(w_ptr + rows + kk)
+                    if SILU:
+                        _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
+        _pdl_wait(PDL)
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        elif REDUCE_EACH:
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc1_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                wm = n_mask[:, None]
+                xm = b_mask[:, None]
+            else:
+                k_mask = offs_k < K
+                wm = n_mask[:, None] & k_mask[None, :]
+                xm = b_mask[:, None] & k_mask[None, :]
+            xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
+            wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
+            if SILU:
+                wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
+            if USE_DOT:
+                acc += _dot(xt, tl.trans(wt), IEEE)
+                if SILU:
+                    acc_u += _dot(xt, tl.trans(wu), IEEE)
+            elif REDUCE_EACH:
+                xf = xt.to(tl.float32)
+                acc1 += tl.sum(wt.to(tl.float32) * xf, axis=1)
+                if SILU:
+                    acc1_u += tl.sum(wu.to(tl.float32) * xf, axis=1)
+            else:
+                xf = xt.to(tl.float32)  # [1, BLOCK_K] broadcasts over the weight rows
+                acc2 += wt.to(tl.float32) * xf
+                if SILU:
+                    acc2_u += wu.to(tl.float32) * xf
+        if REDUCE_EACH and not USE_DOT:
+            acc = acc1[None, :]  # [1, BLOCK_N]
+            if SILU:
+                acc_u = acc1_u[None, :]
+        elif not USE_DOT:
+            acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+            if SILU:
+                acc_u = tl.sum(acc2_u, axis=1)[None, :]
+        if SILU:
+            g = _round(acc, out_ptr)
+            u = _round(acc_u, out_ptr)
+            act = _round(g / (1.0 + tl.exp(-g)), out_ptr)
+            val = act * u
+        else:
+            val = acc
+        out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
+        tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                        NP, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
+                        s_slot, s_head, s_seq,
+                        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                        NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr):
+        """One program per row b. qkv: NP split-K partials [NP, B, (H+2KV)*hd] (summed, then
+        rounded to the model dtype as the reference's projection output is).
+
+        q heads -> q[b] (rotated); k heads (rotated) and v heads -> the cache cell
+        (slot[b], head, pos[b]) of this layer's k/v cache, and nothing else.
+        RoPE as common.apply_rope: x*cos + roll(x, hd/2)*sin_rot, each product and the sum
+        rounded (sin: the `rope_sin_rot` table, whose first half carries the minus sign).
+        """
+        _pdl_wait(PDL)
+        b = tl.program_id(0)
+        pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+        slot = tl.load(slot_ptr + b * stride_slot)
+        hh = tl.arange(0, NH_P)
+        d = tl.arange(0, HALF)
+        hm = (hh < H + KV)[:, None]
+        lo = tl.zeros([NH_P, HALF], dtype=tl.float32)
+        hi = tl.zeros([NH_P, HALF], dtype=tl.float32)
+        row = qkv_ptr + b * stride_qkv_b + hh[:, None] * HD + d[None, :]
+        for s in range(0, NP):
+            lo += tl.load(row + s * stride_qkv_s, mask=hm, other=0.0).to(tl.float32)
+            hi += tl.load(row + s * stride_qkv_s + HALF, mask=hm, other=0.0).to(tl.float32)
+        lo = _round(lo, kc_ptr)
+        hi = _round(hi, kc_ptr)
+        c_lo = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+        c_hi = tl.load(cos_ptr + pos * stride_cos + HALF + d).to(tl.float32)[None, :]
+        s_lo = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+        s_hi = tl.load(sin_ptr + pos * stride_cos + HALF + d).to(tl.float32)[None, :]
+        o_lo = _round(_round(lo * c_lo, kc_ptr) + _round(hi * s_lo, kc_ptr), kc_ptr)
+        o_hi = _round(_round(hi * c_hi, kc_ptr) + _round(lo * s_hi, kc_ptr), kc_ptr)
+        is_q = (hh < H)[:, None]
+        q_out = q_ptr + b * (H * HD) + hh[:, None] * HD + d[None, :]
+        tl.store(q_out, _to(o_lo, q_ptr), mask=is_q)
+        tl.store(q_out + HALF, _to(o_hi, q_ptr), mask=is_q)
+        is_k = hm & (hh >= H)[:, None]
+        cell = slot * s_slot + pos * s_seq
+        k_out = kc_ptr + cell + (hh - H)[:, None] * s_head + d[None, :]
+        tl.store(k_out, _to(o_lo, kc_ptr), mask=is_k)
+        tl.store(k_out + HALF, _to(o_hi, kc_ptr), mask=is_k)
+        vh = tl.arange(0, KV_P)
+        dd = tl.arange(0, HD)
+        vm = (vh < KV)[:, None]
+        vrow = qkv_ptr + b * stride_qkv_b + (H + KV) * HD + vh[:, None] * HD + dd[None, :]
+        v = tl.zeros([KV_P, HD], dtype=tl.float32)
+        for s in range(0, NP):
+            v += tl.load(vrow + s * stride_qkv_s, mask=vm, other=0.0).to(tl.float32)
+        tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
+
+    @triton.jit
+    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, cos_row, sin_row, like_ptr,
+                    N: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
+        """Heads `heads` ([N] indices, rows masked by hm) of one row of qkv partials (NP of them,
+        stride_s apart), summed, then RoPE'd at the position of cos_row / sin_row: [N, HD]
+        float32, rounded where _rope_kv_kernel rounds (the sum, each product, their sum)."""
+        part = (d + HALF) % HD  # rotate-half partner: x[d + hd/2] for the first half, x[d - hd/2] after
+        x = tl.zeros([N, HD], dtype=tl.float32)
+        xp = tl.zeros([N, HD], dtype=tl.float32)
+        base = row_ptr + heads[:, None] * HD
+        for s in range(0, NP):
+            x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+            xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        x = _round(x, like_ptr)
+        xp = _round(xp, like_ptr)
+        c = tl.load(cos_row + d).to(tl.float32)[None, :]
+        sn = tl.load(sin_row + d).to(tl.float32)[None, :]
+        return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
+
+    @triton.jit
+    def _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE: tl.constexpr):
+        """Scores of the GP query rows against keys `offs` as the reference rounds them:
+        q.k accumulated in float32 and rounded, times scale, rounded; -inf where not valid."""
+        kt = tl.load(k_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+        sc = _round(_round(_dot(q, tl.trans(kt), IEEE), q_ptr) * scale, q_ptr)
+        return tl.where(valid[None, :], sc, float("-inf"))
+
+    @triton.jit
+    def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, pf_ptr, pf_lines,
+                     qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
+                     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
+                     NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
+                     PHASE: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
+                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr):
+        """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
+        of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
+        that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
+
+        PHASE 0, online softmax (flash-decoding): stores the unnormalised partial
+          (acc, m, l); NSPLIT == 1 normalises and stores o directly.
+        PHASE 1, statistics: stores the split's max m and sum l = sum exp(s - m).
+        PHASE 2, the reference's rounding: p = exp(s - M) / L with the row's global M, L
+          (from PHASE 1's partials, or with NSPLIT == 1 from a first loop here), rounded
+          to the model dtype, then acc = sum p * v in float32; stores acc as a partial
+          (NSPLIT > 1) or rounded into o. Reads K twice but rounds p where the reference
+          does (softmax in float32, then cast), so it stays within ulps of it.
+        Partials: po [B, H, NSPLIT, HD], pm / pl [B, H, NSPLIT], float32.
+        Without FUSE_ROPE, q comes RoPE'd from q_ptr (_rope_kv_kernel wrote it and this step's
+        K/V) and nothing is written to the cache. FUSE_ROPE: q is RoPE'd here from the qkv
+        partials, and with WRITE_KV the split holding position pos[b] also writes this step's
+        K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back after a
+        block barrier like any other key.
+        PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
+        lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
+        """
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        if PDL:
+            if PF_CHUNK > 0:
+                nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+                pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + sp
+                per = tl.cdiv(pf_lines, nprog)
+                for j0 in range(0, per, PF_CHUNK):
+                    idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
+                    _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
+        _pdl_wait(PDL)
+        pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+        slot = tl.load(slot_ptr + b * stride_slot)
+        n = pos + 1
+        per = (n + NSPLIT - 1) // NSPLIT
+        chunk = (per + BLOCK_S - 1) // BLOCK_S * BLOCK_S
+        start = sp * chunk
+        end = tl.minimum(start + chunk, n)
+        g = tl.arange(0, GP)
+        gm = g < G
+        d = tl.arange(0, HD)
+        heads = kvh * G + g
+        base = slot.to(tl.int64) * s_slot + kvh * s_head
+        k_base = kc_ptr + base
+        v_base = vc_ptr + base
+        if FUSE_ROPE:
+            qrow = qkv_ptr + b * stride_qkv_b
+            cos_row = cos_ptr + pos * stride_cos
+            sin_row = sin_ptr + pos * stride_cos
+            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr, GP, HD, HD // 2),
+                    q_ptr)
+            if WRITE_KV:
+                one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
+                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr,
+                                GP, HD, HD // 2)
+                v = tl.zeros([GP, HD], dtype=tl.float32)
+                vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
+                for s in range(0, NP):
+                    v += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
+                cell = pos.to(tl.int64) * s_seq + 0 * g[:, None] + d[None, :]
+                # the split holding position pos writes it
+                at = pos + 0 * d[None, :]  # full-shape compares: the interpreter rejects scalar masks
+                wm = one[:, None] & (at >= start) & (at < end)
+                tl.store(k_base + cell, _to(k, kc_ptr), mask=wm)
+                tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
+                tl.debug_barrier()  # the block's own cache writes, visible to its loads below
+        else:
+            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+        row = (b * H + heads) * NSPLIT + sp
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, HD], dtype=tl.float32)
+        if PHASE == 0:
+            for s0 in range(start, end, BLOCK_S):
+                offs = s0 + tl.arange(0, BLOCK_S)
+                valid = offs < end
+                sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
+                vt = tl.load(v_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + _dot(_to(p, vc_ptr), vt, IEEE)
+                m_i = m_new
+            if NSPLIT == 1:
+                tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
+                         _to(acc / l_i[:, None], o_ptr), mask=gm[:, None])
+            else:
+                tl.store(po_ptr + row[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+                tl.store(pm_ptr + row, m_i, mask=gm)
+                tl.store(pl_ptr + row, l_i, mask=gm)
+        else:
+            if PHASE == 1 or NSPLIT == 1:
+                for s0 in range(start, end, BLOCK_S):  # NSPLIT == 1: start is 0
+                    offs = s0 + tl.arange(0, BLOCK_S)
+                    valid = offs < end
+                    sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
+                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(sc - m_new[:, None]), axis=1)
+                    m_i = m_new
+            if PHASE == 1:
+                tl.store(pm_ptr + row, m_i, mask=gm)
+                tl.store(pl_ptr + row, l_i, mask=gm)
+            else:
+                if NSPLIT > 1:  # the row's global max and sum from the splits' statistics
+                    ss = tl.arange(0, NS_P)
+                    srow = ((b * H + heads) * NSPLIT)[:, None] + ss[None, :]
+                    sm = gm[:, None] & (ss < NSPLIT)[None, :]
+                    ms = tl.load(pm_ptr + srow, mask=sm, other=float("-inf"))
+                    ls = tl.load(pl_ptr + srow, mask=sm, other=0.0)
+                    m_i = tl.where(gm, tl.max(ms, axis=1), 0.0)
+                    l_i = tl.sum(tl.where(sm, ls * tl.exp(ms - m_i[:, None]), 0.0), axis=1)
+                m_i = tl.where(gm, m_i, 0.0)  # padding query rows: no inf - inf
+                l_i = tl.where(gm, l_i, 1.0)
+                for s0 in range(start, end, BLOCK_S):
+                    offs = s0 + tl.arange(0, BLOCK_S)
+                    valid = offs < end
+                    sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
+                    vt = tl.load(v_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+                    p = tl.exp(sc - m_i[:, None]) / l_i[:, None]
+                    acc += _dot(_to(p, vc_ptr), vt, IEEE)
+                if NSPLIT == 1:
+                    tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
+                             _to(acc, o_ptr), mask=gm[:, None])
+                else:
+                    tl.store(po_ptr + row[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr,
+                             HD: tl.constexpr, NSPLIT: tl.constexpr, NS_P: tl.constexpr,
+                             WEIGHTED: tl.constexpr, PDL: tl.constexpr):
+        """Grid (B * H,): merge the NSPLIT partials of one (row, head) into o (model dtype).
+        WEIGHTED (online softmax): sum acc_s * exp(m_s - M) / sum l_s * exp(m_s - M);
+        else the partials are already normalised: a plain sum."""
+        _pdl_wait(PDL)
+        bh = tl.program_id(0)
+        s = tl.arange(0, NS_P)
+        sm = s < NSPLIT
+        d = tl.arange(0, HD)
+        acc = tl.load(po_ptr + (bh * NSPLIT + s)[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0)
+        if WEIGHTED:
+            m = tl.load(pm_ptr + bh * NSPLIT + s, mask=sm, other=float("-inf"))
+            l = tl.load(pl_ptr + bh * NSPLIT + s, mask=sm, other=0.0)
+            mx = tl.max(m, axis=0)
+            wgt = tl.where(sm, tl.exp(m - mx), 0.0)
+            out = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(l * wgt, axis=0)
+        else:
+            out = tl.sum(acc, axis=0)
+        tl.store(o_ptr + bh * HD + d, _to(out, o_ptr))
+
+
+# ---- launchers -------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _stage(name: str) -> bool:
+    return bool(KNOBS["stages"].get(name, True))
+
+
+def _pdl(dev: torch.device) -> bool:
+    """Programmatic dependent launch for this step: KNOBS["pdl"] on, a CUDA device of compute
+    capability 9.0 or newer, not the interpreter."""
+    if not KNOBS["pdl"]["enabled"] or dev.type != "cuda" or _interpreting():
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def _launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _line(t: torch.Tensor) -> int:
+    """Elements of `t` in a 128-byte cache line."""
+    return max(1, 128 // t.element_size())
+
+
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
+    """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
+
+    Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
+    and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
+    """
+    kn = KNOBS[knob]
+    B, K = x.shape
+    N = w.shape[0] // 2 if silu else w.shape[0]
+    split = 1 if silu or knob == "lm_head" else max(1, int(kn["SPLIT_K"]))
+    bn, bk = int(kn["BLOCK_N"]), int(kn["BLOCK_K"])
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_split)
+    even_k = k_split * split == K  # no partial K block anywhere: loads need no K mask
+    use_dot = B >= int(KNOBS["gemv_dot_min_rows"])
+    bb = max(16, int(KNOBS["gemv_dot_block_b"])) if use_dot else 1
+    if use_dot:
+        bn = max(16, bn)
+    dtype = torch.float32 if split > 1 or out_dtype is None else out_dtype
+    out = torch.empty(split, B, N, device=x.device, dtype=dtype)
+    grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
+    pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
+    _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
+                       x.stride(0), w.stride(0), out.stride(0), out.stride(1),
+                       SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
+                       REDUCE_EACH=bool(KNOBS.get("gemv_reduce_each_step", False)),
+                       BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
+                       PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)),
+                       num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
+    return out
+
+
+def _linear(x, w, knob, silu=False, pdl=False):
+    """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
+    if _stage("gemv"):
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
+    if silu:
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return (F.silu(gate) * up)[None]
+    return F.linear(x, w)[None]
+
+
+def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
+    """x += sum(branch) (rounded as the reference rounds); h = rms_norm(x). With tokens/emb:
+    x = emb[tokens] first. In place on x [B, D] and h [B, D]."""
+    B, D = x.shape
+    if _stage("norm"):
+        br = branch if branch is not None else x
+        tok = tokens if tokens is not None else x
+        e = emb if emb is not None else x
+        _add_norm_kernel[(B,)](x, h, br, weight, tok, e, D, br.shape[0] if branch is not None else 0,
+                               br.stride(0) if branch is not None else 0,
+                               br.stride(1) if branch is not None else 0,
+                               tok.stride(0) if tokens is not None else 0,
+                               e.stride(0) if emb is not None else 0, eps,
+                               GATHER=tokens is not None, HAS_BRANCH=branch is not None,
+                               BLOCK_D=_pow2(D), PDL=pdl, num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
+        return
+    if tokens is not None:
+        x.copy_(F.embedding(tokens, emb))
+    if branch is not None:
+        x.add_(branch.sum(0).to(x.dtype) if branch.shape[0] > 1 else branch[0].to(x.dtype))
+    h.copy_(F.rms_norm(x, (D,), weight, eps))
+
+
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
+    """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
+    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
+    cfg = state.config
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    NP, B, _ = qkv.shape
+    dtype = state.dtype
+    if not _stage("attention"):  # the reference's RoPE, K/V write and attention
+        flat = (qkv.sum(0) if NP > 1 else qkv[0]).to(dtype).view(B, 1, H + 2 * KV, hd)
+        cos = state.tables["rope_cos"][batch.positions].unsqueeze(2)
+        sin = state.tables["rope_sin_rot"][batch.positions].unsqueeze(2)
+        qk = apply_rope(flat[:, :, :H + KV], cos, sin)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        return ref_attention(state, layer, q, k, flat[:, :, H + KV:].transpose(1, 2), batch).view(B, H * hd)
+    kc, vc = state.k_cache[layer], state.v_cache[layer]
+    cos, sin = state.tables["rope_cos"], state.tables["rope_sin_rot"]
+    ka = KNOBS["attn"]
+    fuse = bool(ka.get("FUSE_ROPE", False))
+    o = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
+    if fuse:
+        q = o  # unused: the attention kernels RoPE q themselves (and write this step's K/V)
+    else:
+        q = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
+        _rope_kv_kernel[(B,)](qkv, q, cos, sin, pos, slots, kc, vc,
+                              NP, qkv.stride(0), qkv.stride(1), pos.stride(0), slots.stride(0), cos.stride(0),
+                              kc.stride(0), kc.stride(1), kc.stride(2),
+                              H=H, KV=KV, HD=hd, HALF=hd // 2, NH_P=_pow2(H + KV), KV_P=_pow2(KV),
+                              PDL=pdl, num_warps=KNOBS["rope"]["num_warps"], **_launch(pdl))
+    nsplit = max(1, int(ka["NSPLIT"]))
+    exact = bool(ka["EXACT_SOFTMAX"])
+    G = H // KV
+    if nsplit > 1:
+        po = torch.empty(B, H, nsplit, hd, device=qkv.device, dtype=torch.float32)
+        pm = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
+        pl = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
+    else:
+        po = pm = pl = o
+    args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
+            kc.stride(0), kc.stride(1), kc.stride(2))
+    rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
+    meta = dict(H=H, G=G, GP=max(16, _pow2(G)), HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
+                BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=pdl,
+                num_warps=ka["num_warps"], num_stages=ka["num_stages"], **_launch(pdl))
+    # PDL: the first attention kernel prefetches o_proj's weight, read two kernels later
+    pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
+    pf_t = w_next if pf else o
+    phases = ([1] if exact and nsplit > 1 else []) + [2 if exact else 0]
+    for i, phase in enumerate(phases):
+        _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
+                                      PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
+                                      FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0, **meta)
+    if nsplit > 1:
+        _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
+                                       WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],
+                                       **_launch(pdl))
+    return o
+
+
+def _decode(state, batch):
+    cfg, w, t = state.config, state.weights, state.tables
+    B, D, eps = batch.size, cfg.hidden_size, cfg.norm_eps
+    dev, dtype = state.device, state.dtype
+    tokens = batch.tokens[:, 0]
+    pos = batch.positions[:, -1]
+    slots = batch.slots
+    x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
+    h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
+    emb = w["model.embed_tokens.weight"]
+    pdl = _pdl(dev)
+    branch = None  # partials of the last projection, added to x by the next norm
+
+    def normed_gemv(weight, norm_w, knob, silu=False):
+        """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
+        first = branch is None
+        _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl)
+
+    for layer in state.layers:
+        p = f"model.layers.{layer}."
+        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv")
+        wo = w[p + "self_attn.o_proj.weight"]
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
+        branch = _linear(o, wo, "o", pdl=pdl)
+        act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
+                          silu=True)[0]
+        branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
+    return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
