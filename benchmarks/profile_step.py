@@ -89,11 +89,8 @@ def main() -> int:
                     t = {**eng.state.weights, **eng.state.tables}[f"model.layers.{st.layers[0]}.{wb[proj]}"]
                     nbytes = t.numel() * t.element_size() * layers
                 print(f"  gemv {proj:<8} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s")
-        prev = None
-        for e in kernels:
-            gap = e.time_range.start - prev if prev is not None else 0.0
+        for gap, e in zip([0.0] + gaps, kernels):
             print(f"  {gap:+7.1f} {e.time_range.elapsed_us():7.1f} us  {e.name[:60]}")
-            prev = e.time_range.end
     return 0
 
 

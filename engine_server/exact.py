@@ -26,7 +26,7 @@ reference that is already exact at its width):
 and the greedy tokens must be identical. Where they are not (either mode), `token_divergence`
 says at which step and row they first part and how close the choice was there: each side's
 logit gap between the two tokens, the wide run's, and whether the reference's is a near tie
-(within 2% of its top logit), the kind another summation order can flip on a random-weight
+(`measure.near_tie`: among its top 8, within 2% of its top logit), the kind another summation order can flip on a random-weight
 model. This is the FlashAttention tests' criterion (no
 more error than the framework's own implementation of the same thing, against a more
 precise one); a fixed atol/rtol on logits is not, since what a bf16 model's last-bit flips
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_server.measure import NEAR_TIE_REL, call, compare, run_step
+from engine_server.measure import NEAR_TIE_K, call, compare, near_tie, run_step
 from engine_server.results import ExactResult, Mismatch, TokenDivergence
 from engine_server.state import decode_batch, prefill_batch
 
@@ -267,7 +267,7 @@ def _divergence(ref, cand, wide, r_stream, c_stream) -> TokenDivergence | None:
     return TokenDivergence(phase="prefill" if t == 0 else "decode", step=max(0, t - 1), row=row,
                            reference_token=a, candidate_token=b, reference_gap=gap, candidate_gap=(c[b] - c[a]).item(),
                            wide_gap=None if w is None else (w[a] - w[b]).item(),
-                           near_tie=gap <= NEAR_TIE_REL * max(1.0, abs(r.max().item())))
+                           near_tie=near_tie(r[None].topk(min(NEAR_TIE_K, r.numel()), -1), torch.tensor([b], device=r.device)))
 
 
 def _kv_report(eng, r_kv, c_kv, prompts, steps) -> str:

@@ -150,8 +150,8 @@ class TokenDivergence(BaseModel):
     wide_gap: float | None = Field(None, description="tolerance mode: the reference run in the wider dtype, its "
                                                      "logit of the reference's token minus that of the candidate's "
                                                      "(negative: it prefers the candidate's)")
-    near_tie: bool = Field(description="the reference's gap is within NEAR_TIE_REL (2%) of its top logit: what "
-                                       "another summation order can flip")
+    near_tie: bool = Field(description="the reference ranks the candidate's token among its top 8, within 2% of "
+                                       "its top logit (measure.near_tie): what another summation order can flip")
 
 
 class ExactResult(BaseModel):

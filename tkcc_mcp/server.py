@@ -300,10 +300,11 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         the greedy tokens and the KV cache. Seconds. Returns `exact`; when false,
         `first_mismatch` (phase, step, row, vocab index, both values), `max_abs_diff`,
         `tokens_equal`, `kv_equal`, `token_divergence` (where the greedy tokens first differ,
-        with each side's logit gap there and whether it was a near tie) and any `violations`
-        (writing to weights, results kept across calls, ...). mode='tolerance' also reports `close`: on every step the
-        candidate is no further from the reference run in a wider dtype (float32 for bf16)
-        than twice the reference's own error, with identical greedy tokens. For
+        with each side's logit gap there and whether it was a near tie) and any
+        `violations` (writing to weights, results kept across calls, ...).
+        mode='tolerance' also reports `close`: on every step the candidate is no further
+        from the reference run in a wider dtype (float32 for bf16) than twice the
+        reference's own error, with identical greedy tokens. For
         information only: it never makes a candidate exact.
         """
         return _as(ExactResult, await _link(ctx).call(ctx, "check_bit_exact", candidate_id=candidate_id,
