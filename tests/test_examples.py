@@ -11,7 +11,7 @@
    a subset of the layers and zero layers, and knob variants that reach every kernel branch
    (sequence splits with an empty split, online and exact softmax, split-K with a ragged
    last split, tl.dot and FMA GEMV paths, the FMA path reduced at every step, the ladder's
-   stages).
+   stages, weights and the first K/V block loaded before the PDL wait).
 """
 from __future__ import annotations
 
@@ -62,17 +62,6 @@ def test_ladder_files_are_current():
 INTERPRETER_SCRIPT = r'''
 import json, os, sys
 assert os.environ.get("TRITON_INTERPRET") == "1"
-import numpy as np
-import triton.runtime.interpreter as _ti
-
-# Triton 3.x's interpreter turns a loaded scalar (a 1-element array) into a Python int with
-# int(array), which NumPy >= 2.3 refuses for arrays of one dimension; take the element.
-_orig_patch = _ti._patch_lang_tensor
-def _patch(tensor, scope):
-    _orig_patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-_ti._patch_lang_tensor = _patch
-
 import torch
 from engine_server.candidate import load_module
 from engine_server.config import resolve_model, shrink
@@ -137,6 +126,7 @@ print("RESULTS " + json.dumps(results))
 SPLITS = {"NSPLIT": 4, "BLOCK_S": 16}  # ctx 41 -> 3 splits busy, 1 empty
 ONLINE, EXACT = {"EXACT_SOFTMAX": False}, {"EXACT_SOFTMAX": True}
 NOFUSE = {"FUSE_ROPE": False}  # RoPE and the K/V write in _rope_kv_kernel, not in attention
+PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the (PDL) wait
 BF16_CASES = [
     {"rows": 1},
     {"rows": 3},
@@ -155,11 +145,39 @@ BF16_CASES = [
     {"rows": 1, "layers": [0], "knobs": {"attn": {"NSPLIT": 1, "BLOCK_S": 16} | EXACT | NOFUSE}},
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": False, "gemv": False}}},
     {"rows": 3, "layers": [1, 3], "knobs": {"stages": {"attention": True, "norm": True, "gemv": False}}},
+    # weights loaded before the wait (PRE: whole split, part of it, ragged last split), the
+    # first K/V block too (this step's row from the cache or from the writing program's registers)
+    {"rows": 1, "layers": [0, 2], "knobs": {"qkv": {"SPLIT_K": 2, "BLOCK_K": 16, "PRE": 4},
+                                            "o": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
+                                            "gate_up": {"BLOCK_K": 32, "PRE": 2, "REDUCE_EACH": True},
+                                            "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2},
+                                            "lm_head": {"BLOCK_K": 64, "PRE": 1},
+                                            "attn": SPLITS | EXACT | NOFUSE | PRE_KV}},
+    {"rows": 3, "layers": [1, 3], "knobs": {"qkv": {"PRE": 1}, "gate_up": {"PRE": 1},
+                                            "down": {"SPLIT_K": 3, "BLOCK_K": 32, "PRE": 2},
+                                            "attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | PRE_KV}},
+    {"rows": 2, "layers": [2], "knobs": {"attn": {"NSPLIT": 1, "BLOCK_S": 16} | EXACT | PRE_KV}},
+    {"rows": 1, "layers": [0], "knobs": {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
+                                         "attn": {"NSPLIT": 1, "BLOCK_S": 16, "FUSE_ROPE": True} | ONLINE | PRE_KV}},
+    {"rows": 2, "layers": [1, 3], "knobs": {"attn": SPLITS | EXACT | {"FUSE_ROPE": True} | PRE_KV}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17)]
 
 
 SCRIPT_HELPERS = r'''
+import os
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton 3.x's interpreter turns a loaded scalar (a 1-element array) into a Python int
+    # with int(array), which NumPy >= 2.3 refuses for arrays of one dimension; take the element.
+    import numpy as np
+    import triton.runtime.interpreter as _ti
+    _orig_patch = _ti._patch_lang_tensor
+    def _patch(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    _ti._patch_lang_tensor = _patch
+
+
 def apply_knobs(knobs, override):
     """Put a case's KNOBS overrides in: dicts merged one level down, other values replaced."""
     for key, val in override.items():
@@ -236,7 +254,7 @@ from engine_server.weights import init_weights
 
 mod = load_module("aot_pdl", open(sys.argv[1]).read())
 mod._supported = lambda state, batch: True
-mod._pdl = lambda dev: True
+mod._pdl_capable = lambda dev: True
 launches = []
 JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self, grid, args, kw)))
 cfg = shrink(resolve_model("llama-3.2-1b")[0])
@@ -245,7 +263,9 @@ tables = ref.tables(cfg, weights, 64, torch.bfloat16, "cpu")
 k, v = new_cache(cfg, 3, 64, torch.bfloat16, "cpu")
 state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
-           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}}]
+           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
+           {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
+            "pdl": {"EARLY_TRIGGER": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -278,7 +298,10 @@ for fn, grid, args, kw in launches:
     out.append(dict(kernel=fn.__name__, launch_pdl=bool(c.metadata.launch_pdl), wait="griddepcontrol.wait" in ptx,
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
-                    fused_rope=bool(consts.get("FUSE_ROPE"))))
+                    fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
+                    preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV")),
+                    load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
+                    trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
 
@@ -288,8 +311,9 @@ print("RESULTS " + json.dumps(out))
 def test_pdl_kernels_compile_for_sm90():
     """With KNOBS["pdl"] on, every launch of a decode step (batch 1 and 2; RoPE in its own
     kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
-    and lets the next one launch; GEMVs with PF_STEPS and the first attention kernel with
-    PREFETCH_O carry their L2 prefetches."""
+    and lets the next one launch (after the wait, or before it with EARLY_TRIGGER); GEMVs with
+    PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches; GEMVs
+    with PRE and attention with PRELOAD_KV issue loads before the wait."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
@@ -298,6 +322,11 @@ def test_pdl_kernels_compile_for_sm90():
     for r in res:
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
+        assert r["trigger_before_wait"] == (r["pdl"] == 2), r
+        if r["preload"] or r["kernel"] == "_add_norm_kernel":  # the norm weight: always before
+            assert r["load_before_wait"], r
+    assert {r["pdl"] for r in res} == {1, 2}
+    assert {r["kernel"] for r in res if r["preload"]} == {"_gemv_kernel", "_attn_kernel"}
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)

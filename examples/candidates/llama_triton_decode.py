@@ -38,18 +38,24 @@ kernels are compiled per shape during the engine's warm-up, no autotuning); any 
 With KNOBS["pdl"] (sm_90+) every kernel is launched with programmatic dependent launch: it
 starts while the kernel before it runs and waits for it (griddepcontrol.wait) before it reads
 anything a kernel wrote; the results are bitwise those of plain launches (tests/test_gpu.py).
+What no kernel of the step writes may be loaded before the wait, while the kernel before runs:
+the norm weights (always), the first PRE K steps of a GEMV's weight rows, and with PRELOAD_KV
+each attention split's first block of earlier steps' K/V.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
-- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: the climb's
-  winner, the KNOBS of that time with online softmax, RoPE fused into attention and
-  PREFETCH_O, 1,058 tok/s (945 us a token) against the engine reference's 499,
-  torch.compile(reduce-overhead)'s 727 and HF's 53; tolerance gate (error 1.78 from the
-  float32 reference against the bf16 reference's own 1.79), not bitwise.
-- Since then norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is latency-bound)
-  and qkv num_warps 4 -> 8, moves of more than one doubling the climb does not make
-  (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json): these KNOBS give 1,071 tok/s
-  against the reference's 494 and 1,020 with the norm's 4 warps, in one run; with the
-  winner's attention settings 1,109 tok/s (902 us) against 495 (h200_variants_best.json).
+- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: these KNOBS
+  1,094 tok/s (914 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
+  attention, PREFETCH_O, no PRELOAD_KV) 1,132 (883 us), against the engine reference's 500,
+  torch.compile(reduce-overhead)'s 742 and HF's 78; tolerance gate (winner: error 1.78 from
+  the float32 reference against the bf16 reference's own 1.79), not bitwise.
+- How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
+  latency-bound) and qkv 4 -> 8 (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json);
+  then the loads before the wait (h200_variants_preload*.json): the norm weight (+0.8%),
+  gate_up reduced at every step with 8 warps (255 registers and 88 bytes of spills with 4 and
+  the [BLOCK_N, BLOCK_K] accumulators; +0.8%), down PRE 1 (+0.7%), PRELOAD_KV with exact
+  softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%),
+  PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
+  wave, so the next kernel launches late), EARLY_TRIGGER (-2%).
 - The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
   preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
   bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top
@@ -78,34 +84,41 @@ KNOBS = {
     # GEMV per projection. BLOCK_N weight rows per program, BLOCK_K columns per loop step,
     # SPLIT_K programs along K (float32 partials summed by the next kernel; gate_up and
     # lm_head must keep 1), num_warps / num_stages as Triton launch options; with PDL, each
-    # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits.
-    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0},
-    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
-    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0},
-    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0},
+    # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits;
+    # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
+    # at most its share of K): the loads are in flight while the kernel before it runs.
+    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
+    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+                "REDUCE_EACH": True},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1},
+    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
     # rows >= this use tl.dot on a 16-row padded tile (weights read once for all rows);
     # below it, a float32 FMA reduction (B == 1)
     "gemv_dot_min_rows": 2,
     "gemv_dot_block_b": 16,  # rows per program on the tl.dot path (>= 16)
     # FMA path (B == 1): reduce each [BLOCK_N, BLOCK_K] product along K at every step into a
-    # [BLOCK_N] accumulator (fewer registers: room for larger tiles) instead of once at the end
+    # [BLOCK_N] accumulator (fewer registers: room for larger tiles) instead of once at the end;
+    # a projection's own "REDUCE_EACH" overrides it
     "gemv_reduce_each_step": False,
     # attention: keys per loop step, sequence splits (1: no combine kernel). EXACT_SOFTMAX
     # rounds the probabilities where the reference does (normalised, then cast): one more
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
     # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
-    # _rope_kv_kernel launch).
+    # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
+    # is loaded before the PDL wait, the row of this step's position re-read after it.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "FUSE_ROPE": False, "num_warps": 4,
-             "num_stages": 4},
+             "num_stages": 4, "PRELOAD_KV": True},
     "combine": {"num_warps": 2},
     "norm": {"num_warps": 16},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
     # a kernel writes. PREFETCH_O: the first attention kernel pulls o_proj's weight into L2
-    # before it waits (weights are never written; see also the GEMVs' PF_STEPS).
-    "pdl": {"enabled": True, "PREFETCH_O": False},
+    # before it waits (weights are never written; see also the GEMVs' PF_STEPS and PRE).
+    # EARLY_TRIGGER: each kernel lets the next one launch at its entry instead of after its
+    # wait, so loads issued before the wait run a kernel further ahead.
+    "pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False},
     "stages": {"attention": True, "norm": True, "gemv": True},
 }
 
@@ -176,12 +189,23 @@ if HAVE_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
+    def _pdl_enter(PDL: tl.constexpr):
+        """At kernel entry. PDL == 2 (KNOBS["pdl"]["EARLY_TRIGGER"]): let the next kernel launch
+        now, so it can load its weights while this one runs (it still waits for this one's
+        results: griddepcontrol.wait waits for the whole grid before it, which waited for its own)."""
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _pdl_wait(PDL: tl.constexpr):
-        """With PDL: wait for the kernel before this one to finish (its writes visible), then
-        let the next kernel launch. Nothing a kernel writes may be read before this."""
+        """With PDL: wait for the kernel before this one to finish (its writes visible); PDL == 1
+        then lets the next kernel launch. Nothing a kernel writes may be read before this; only
+        weights, tables and the step's inputs (tokens, positions, slots) and cache cells of
+        earlier steps may (no kernel of the step writes them)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _prefetch(ptrs):
@@ -211,10 +235,12 @@ if HAVE_TRITON:
         model dtype before the add and the sum after it, as `x + linear(...)` rounds.
         Then h[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, rounded once.
         """
-        _pdl_wait(PDL)
+        _pdl_enter(PDL)
         b = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
+        _pdl_wait(PDL)
         if GATHER:
             tok = tl.load(tok_ptr + b * stride_tok)
             x = tl.load(emb_ptr + tok * stride_emb + offs, mask=m, other=0.0).to(tl.float32)
@@ -227,7 +253,6 @@ if HAVE_TRITON:
             tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
         var = tl.sum(x * x, axis=0) / D
         r = 1.0 / tl.sqrt(var + eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
@@ -236,7 +261,7 @@ if HAVE_TRITON:
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr):
+                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -249,6 +274,9 @@ if HAVE_TRITON:
         store casts to out's dtype (float32 partials, or the model dtype).
         PDL: before waiting for the kernel before it, the program prefetches its first PF_STEPS
         K steps of weight rows (PF_W lines of a row per step) into L2.
+        PRE_K > 0 (a power of two, <= K_SPLIT): the program loads its first PRE_K columns of
+        weight rows into registers before the wait (with PDL, while the kernel before it
+        runs), their products summed apart from the loop's and added at the end.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -261,6 +289,16 @@ if HAVE_TRITON:
         wu_rows = w_rows + N_UP * stride_wn
         x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
         k_lo = pid_k * K_SPLIT
+        _pdl_enter(PDL)
+        if PRE_K > 0:  # weights only: no kernel writes them
+            offs_p = k_lo + tl.arange(0, PRE_K)
+            if EVEN_K:
+                pm = n_mask[:, None]
+            else:
+                pm = n_mask[:, None] & (offs_p < K)[None, :]
+            wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0)  # [BLOCK_N, PRE_K]
+            if SILU:
+                wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0)
         if PDL:
             if PF_STEPS > 0:  # weights only: no kernel writes them
                 rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -280,7 +318,22 @@ if HAVE_TRITON:
         else:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+        if PRE_K > 0:
+            if EVEN_K:
+                xpm = b_mask[:, None]
+            else:
+                xpm = b_mask[:, None] & (offs_p < K)[None, :]
+            xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            if USE_DOT:
+                acc += _dot(xp, tl.trans(wp), IEEE)
+                if SILU:
+                    acc_u += _dot(xp, tl.trans(wpu), IEEE)
+            else:
+                xpf = xp.to(tl.float32)
+                pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)  # [BLOCK_N]
+                if SILU:
+                    pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
+        for k0 in range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 wm = n_mask[:, None]
@@ -307,14 +360,22 @@ if HAVE_TRITON:
                 acc2 += wt.to(tl.float32) * xf
                 if SILU:
                     acc2_u += wu.to(tl.float32) * xf
-        if REDUCE_EACH and not USE_DOT:
-            acc = acc1[None, :]  # [1, BLOCK_N]
+        if not USE_DOT:
+            if REDUCE_EACH:
+                red = acc1
+                if SILU:
+                    red_u = acc1_u
+            else:
+                red = tl.sum(acc2, axis=1)
+                if SILU:
+                    red_u = tl.sum(acc2_u, axis=1)
+            if PRE_K > 0:
+                red += pre
+                if SILU:
+                    red_u += pre_u
+            acc = red[None, :]  # [1, BLOCK_N]
             if SILU:
-                acc_u = acc1_u[None, :]
-        elif not USE_DOT:
-            acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
-            if SILU:
-                acc_u = tl.sum(acc2_u, axis=1)[None, :]
+                acc_u = red_u[None, :]
         if SILU:
             g = _round(acc, out_ptr)
             u = _round(acc_u, out_ptr)
@@ -339,6 +400,7 @@ if HAVE_TRITON:
         RoPE as common.apply_rope: x*cos + roll(x, hd/2)*sin_rot, each product and the sum
         rounded (sin: the `rope_sin_rot` table, whose first half carries the minus sign).
         """
+        _pdl_enter(PDL)
         _pdl_wait(PDL)
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
@@ -398,12 +460,38 @@ if HAVE_TRITON:
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
-    def _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE: tl.constexpr):
-        """Scores of the GP query rows against keys `offs` as the reference rounds them:
-        q.k accumulated in float32 and rounded, times scale, rounded; -inf where not valid."""
-        kt = tl.load(k_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+    def _kv_tile(base, s_seq, offs, valid, d):
+        """The cache rows `offs` ([BLOCK_S, HD]) of one (slot, kv head); zeros where not valid."""
+        return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+
+    @triton.jit
+    def _scores(q, kt, valid, q_ptr, scale, IEEE: tl.constexpr):
+        """Scores of the GP query rows against the keys of tile `kt` as the reference rounds
+        them: q.k accumulated in float32 and rounded, times scale, rounded; -inf where not valid."""
         sc = _round(_round(_dot(q, tl.trans(kt), IEEE), q_ptr) * scale, q_ptr)
         return tl.where(valid[None, :], sc, float("-inf"))
+
+    @triton.jit
+    def _online_step(sc, vt, m_i, l_i, acc, like_ptr, IEEE: tl.constexpr):
+        """Flash-decoding: fold a block of scores `sc` and values `vt` into (m, l, acc)."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(_to(p, like_ptr), vt, IEEE)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _stats_step(sc, m_i, l_i):
+        """Fold a block of scores into the running max and sum of exp(s - max)."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        return m_new, l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(sc - m_new[:, None]), axis=1)
+
+    @triton.jit
+    def _exact_step(sc, vt, m_i, l_i, acc, like_ptr, IEEE: tl.constexpr):
+        """acc += p @ v with p = exp(s - M) / L rounded to the model dtype, as the reference."""
+        p = tl.exp(sc - m_i[:, None]) / l_i[:, None]
+        return acc + _dot(_to(p, like_ptr), vt, IEEE)
 
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
@@ -413,7 +501,7 @@ if HAVE_TRITON:
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
-                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr):
+                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -434,10 +522,17 @@ if HAVE_TRITON:
         block barrier like any other key.
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
         lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
+        PRELOAD_KV: the split's first block of K (and V) is loaded before the wait (cells of
+        earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
+        from the values this program writes (WRITE_KV), else re-read from the cache.
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
+        _pdl_enter(PDL)
+        if PRELOAD_KV:  # the step's inputs and earlier steps' cache cells: before the wait
+            pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+            slot = tl.load(slot_ptr + b * stride_slot)
         if PDL:
             if PF_CHUNK > 0:
                 nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -446,9 +541,10 @@ if HAVE_TRITON:
                 for j0 in range(0, per, PF_CHUNK):
                     idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
-        _pdl_wait(PDL)
-        pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
-        slot = tl.load(slot_ptr + b * stride_slot)
+        if not PRELOAD_KV:
+            _pdl_wait(PDL)
+            pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+            slot = tl.load(slot_ptr + b * stride_slot)
         n = pos + 1
         per = (n + NSPLIT - 1) // NSPLIT
         chunk = (per + BLOCK_S - 1) // BLOCK_S * BLOCK_S
@@ -461,6 +557,13 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
+        if PRELOAD_KV:
+            offs0 = start + tl.arange(0, BLOCK_S)
+            valid0 = offs0 < end
+            kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d)
+            if PHASE != 1:
+                vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d)
+            _pdl_wait(PDL)
         if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
             cos_row = cos_ptr + pos * stride_cos
@@ -484,22 +587,34 @@ if HAVE_TRITON:
                 tl.debug_barrier()  # the block's own cache writes, visible to its loads below
         else:
             q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+        if PRELOAD_KV:  # this step's row: from this program's registers, or re-read now it is written
+            at0 = (offs0 == pos)[:, None]
+            if FUSE_ROPE and WRITE_KV:
+                kt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)[None, :], kt0)
+                if PHASE != 1:
+                    vt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)[None, :], vt0)
+            else:
+                kt0 = tl.where(at0, tl.load(k_base + pos.to(tl.int64) * s_seq + d)[None, :], kt0)
+                if PHASE != 1:
+                    vt0 = tl.where(at0, tl.load(v_base + pos.to(tl.int64) * s_seq + d)[None, :], vt0)
+            lo = start + BLOCK_S  # the loops below start after the preloaded block
+        else:
+            lo = start
         row = (b * H + heads) * NSPLIT + sp
         m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, HD], dtype=tl.float32)
         if PHASE == 0:
-            for s0 in range(start, end, BLOCK_S):
+            if PRELOAD_KV:
+                if start < end:
+                    m_i, l_i, acc = _online_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
+                                                 vc_ptr, IEEE)
+            for s0 in range(lo, end, BLOCK_S):
                 offs = s0 + tl.arange(0, BLOCK_S)
                 valid = offs < end
-                sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
-                vt = tl.load(v_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + _dot(_to(p, vc_ptr), vt, IEEE)
-                m_i = m_new
+                sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
+                m_i, l_i, acc = _online_step(sc, _kv_tile(v_base, s_seq, offs, valid, d), m_i, l_i, acc,
+                                             vc_ptr, IEEE)
             if NSPLIT == 1:
                 tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                          _to(acc / l_i[:, None], o_ptr), mask=gm[:, None])
@@ -508,14 +623,15 @@ if HAVE_TRITON:
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
         else:
-            if PHASE == 1 or NSPLIT == 1:
-                for s0 in range(start, end, BLOCK_S):  # NSPLIT == 1: start is 0
+            if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
+                if PRELOAD_KV:
+                    if start < end:
+                        m_i, l_i = _stats_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), m_i, l_i)
+                for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
-                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(sc - m_new[:, None]), axis=1)
-                    m_i = m_new
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
+                    m_i, l_i = _stats_step(sc, m_i, l_i)
             if PHASE == 1:
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
@@ -530,13 +646,15 @@ if HAVE_TRITON:
                     l_i = tl.sum(tl.where(sm, ls * tl.exp(ms - m_i[:, None]), 0.0), axis=1)
                 m_i = tl.where(gm, m_i, 0.0)  # padding query rows: no inf - inf
                 l_i = tl.where(gm, l_i, 1.0)
-                for s0 in range(start, end, BLOCK_S):
+                if PRELOAD_KV:
+                    if start < end:
+                        acc = _exact_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
+                                          vc_ptr, IEEE)
+                for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, k_base, s_seq, offs, valid, d, q_ptr, scale, IEEE)
-                    vt = tl.load(v_base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
-                    p = tl.exp(sc - m_i[:, None]) / l_i[:, None]
-                    acc += _dot(_to(p, vc_ptr), vt, IEEE)
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
+                    acc = _exact_step(sc, _kv_tile(v_base, s_seq, offs, valid, d), m_i, l_i, acc, vc_ptr, IEEE)
                 if NSPLIT == 1:
                     tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                              _to(acc, o_ptr), mask=gm[:, None])
@@ -550,6 +668,7 @@ if HAVE_TRITON:
         """Grid (B * H,): merge the NSPLIT partials of one (row, head) into o (model dtype).
         WEIGHTED (online softmax): sum acc_s * exp(m_s - M) / sum l_s * exp(m_s - M);
         else the partials are already normalised: a plain sum."""
+        _pdl_enter(PDL)
         _pdl_wait(PDL)
         bh = tl.program_id(0)
         s = tl.arange(0, NS_P)
@@ -573,16 +692,26 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _pow2_floor(n: int) -> int:
+    """The largest power of two <= n, or 0."""
+    return 1 << (int(n).bit_length() - 1) if n > 0 else 0
+
+
 def _stage(name: str) -> bool:
     return bool(KNOBS["stages"].get(name, True))
 
 
-def _pdl(dev: torch.device) -> bool:
-    """Programmatic dependent launch for this step: KNOBS["pdl"] on, a CUDA device of compute
-    capability 9.0 or newer, not the interpreter."""
-    if not KNOBS["pdl"]["enabled"] or dev.type != "cuda" or _interpreting():
-        return False
-    return torch.cuda.get_device_capability(dev)[0] >= 9
+def _pdl_capable(dev: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer, not the interpreter."""
+    return dev.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def _pdl(dev: torch.device) -> int:
+    """Programmatic dependent launch for this step (KNOBS["pdl"] on, a capable device): 0 off,
+    1 each kernel lets the next one launch after its wait, 2 at its entry (EARLY_TRIGGER)."""
+    if not KNOBS["pdl"]["enabled"] or not _pdl_capable(dev):
+        return 0
+    return 2 if KNOBS["pdl"].get("EARLY_TRIGGER", False) else 1
 
 
 def _launch(pdl: bool) -> dict:
@@ -616,12 +745,13 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     out = torch.empty(split, B, N, device=x.device, dtype=dtype)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
+    pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
-                       REDUCE_EACH=bool(KNOBS.get("gemv_reduce_each_step", False)),
+                       REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
-                       PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)),
+                       PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -710,7 +840,8 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     for i, phase in enumerate(phases):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
-                                      FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0, **meta)
+                                      FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
+                                      PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)), **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],
