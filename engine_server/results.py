@@ -105,7 +105,9 @@ class MeasureResult(BaseModel):
     reference_step_ms: float = 0.0
     tokens_per_s: float = Field(0.0, description="decode tokens/s of the candidate over the shapes")
     reference_tokens_per_s: float = 0.0
-    samples: int = Field(0, description="timed rounds per side after warm-up")
+    samples: int = Field(0, description="timed rounds per side after warm-up (fast tier: it may stop before "
+                                        "config.rounds once speedup_ci95 is within +-config.target_ci; "
+                                        "config.stopped says why it stopped)")
     layers: list[int] = Field(default_factory=list)
     shapes: list[ShapeTiming] = Field(default_factory=list)
     outputs_match: str = Field("", description="bitwise | close | differ: the timed outputs against the "

@@ -1,9 +1,11 @@
 """The engine in-process: installs, failures as results, rollback, exactness, both tiers."""
 import json
+import random
 
 import pytest
 import torch
 
+from engine_server import measure
 from engine_server.engine import Engine, EngineConfig
 from engine_server.selfcheck import perturbed_source, reference_source
 
@@ -94,6 +96,60 @@ def test_slower_candidate_is_measured_slower(llama_engine):
     r = llama_engine.submit_forward_pass(slow)
     fm = llama_engine.measure_fast(r.candidate_id)
     assert fm.valid and fm.speedup < 0.8, fm.speedup
+
+
+def rounds_run(ratios, least, most, target):
+    """How many rounds the fast tier runs on this sequence of paired ratios, and why it stops."""
+    for n in range(1, len(ratios) + 1):
+        why = measure.should_stop(ratios[:n], least, most, target)
+        if why:
+            return n, why
+    raise AssertionError("the rule never stopped")
+
+
+@pytest.mark.parametrize("centre", [2.0, 0.5])  # clearly faster, clearly slower
+def test_sequential_stopping_stops_at_the_minimum_on_a_clear_measurement(centre):
+    rng = random.Random(0)
+    ratios = [centre * (1 + rng.gauss(0, 0.01)) for _ in range(21)]
+    assert rounds_run(ratios, 9, 21, 0.05) == (9, "ci")
+
+
+@pytest.mark.parametrize("centre", [1.0, 2.0])  # the interval's width decides, not its distance from 1
+def test_sequential_stopping_runs_to_the_cap_when_noisy(centre):
+    rng = random.Random(1)
+    ratios = [centre * (1 + rng.gauss(0, 0.3)) for _ in range(21)]
+    assert rounds_run(ratios, 9, 21, 0.05) == (21, "max_rounds")
+
+
+def test_sequential_stopping_never_stops_below_the_minimum():
+    same = [1.0] * 21  # an interval of width zero from the first round
+    assert rounds_run(same, 9, 21, 0.05) == (9, "ci")
+    assert rounds_run(same, 9, 21, 0.0) == (21, "max_rounds")  # target 0: fixed rounds
+    assert rounds_run(same, 30, 21, 0.05) == (21, "max_rounds")  # the cap wins over a larger minimum
+
+
+def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
+    r = llama_engine.submit_forward_pass(reference_source(llama_engine))
+    cfg = llama_engine.config
+    saved = cfg.fast_rounds, cfg.fast_min_rounds, cfg.fast_ci
+    try:
+        cfg.fast_rounds, cfg.fast_min_rounds, cfg.fast_ci = 7, 4, 10.0  # any interval is narrow enough
+        fm = llama_engine.measure_fast(r.candidate_id)
+        assert fm.valid and fm.samples == 4 and fm.config["stopped"]["why"] == "ci", fm.config
+        cfg.fast_ci = 1e-9  # none is
+        fm = llama_engine.measure_fast(r.candidate_id)
+        assert fm.valid and fm.samples == 7 and fm.config["stopped"]["why"] == "max_rounds", fm.config
+        lo, hi = fm.speedup_ci95
+        assert lo <= fm.speedup <= hi
+        assert fm.config["stopped"]["ci_half_width"] == pytest.approx((hi - lo) / 2 / fm.speedup, abs=1e-4)
+    finally:
+        cfg.fast_rounds, cfg.fast_min_rounds, cfg.fast_ci = saved
+
+
+def test_sequential_stopping_is_a_cpu_default_only():
+    cpu, cuda = EngineConfig(device="cpu").resolved(), EngineConfig(device="cuda").resolved()
+    assert (cpu.fast_rounds, cpu.fast_min_rounds, cpu.fast_ci) == (21, 9, 0.05)
+    assert (cuda.fast_rounds, cuda.fast_ci) == (15, 0.0)  # CUDA: every round, as measured on the H200
 
 
 def test_prepare_scratch_is_counted_and_usable(llama_engine):

@@ -265,7 +265,8 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         shapes taken from the engine's traffic, reference and candidate alternated A/B in
         the same call, warm-up dropped. Returns `speedup` = reference time / candidate time
         (above 1 is faster) and `speedup_ci95`, its 95% interval: a gain is real when the
-        whole interval is above 1. Also step_ms, tokens_per_s, per-shape timings, and
+        whole interval is above 1. Rounds stop early once that interval is narrow enough
+        (`samples` says how many ran). Also step_ms, tokens_per_s, per-shape timings, and
         `outputs_match`, the timed outputs against the reference's: a candidate that is fast
         only while timed is flagged (`valid` false, `violations`). Speed counts only for a
         candidate check_bit_exact calls exact.
