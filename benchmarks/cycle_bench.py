@@ -47,7 +47,8 @@ def experiment(c: EngineClient, source: str) -> dict:
     r = c.call("submit_forward_pass", source=source)
     m = c.call("measure_fast", candidate_id=r["candidate_id"])
     assert r["ok"] and m["ok"], (r, m)
-    return {"candidate_id": r["candidate_id"], "install_s": r["seconds"], "fast_s": m["seconds"]}
+    return {"candidate_id": r["candidate_id"], "install_s": r["seconds"], "fast_s": m["seconds"],
+            "rounds": m["samples"], "speedup_ci95": m["speedup_ci95"]}
 
 
 def main() -> int:

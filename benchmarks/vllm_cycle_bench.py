@@ -186,6 +186,7 @@ def main() -> int:
                 t2 = time.perf_counter()
                 breakdown.append({"submit_s": t1 - t, "install_seconds": r["seconds"], "measure_fast_s": t2 - t1,
                                   "measure_seconds": m["seconds"], "rounds": m["samples"],
+                                  "ci_half_width": m["config"].get("stopped", {}).get("ci_half_width"),
                                   "step_ms": m["step_ms"], "reference_step_ms": m["reference_step_ms"]})
                 for v, eager in variants.items():
                     runs[v].append(vllm_experiment(a, script, spec | {"enforce_eager": eager}))
@@ -224,7 +225,7 @@ def main() -> int:
           f"({res['experiments_per_hour_live']:.0f} experiments/hour)")
     print(f"  submit {b['submit_s']:.3f} s (install {b['install_seconds']:.3f} s in the engine), "
           f"measure_fast {b['measure_fast_s']:.3f} s ({b['measure_seconds']:.3f} s in the engine, "
-          f"{b['rounds']} A/B rounds)")
+          f"{b['rounds']:g} A/B rounds, speedup CI +-{b['ci_half_width'] * 100:.1f}%)")
     for v, d in res["vllm"].items():
         vb = d["breakdown_p50"]
         print(f"vLLM restart, {v + ':':14} P50 {d['restart_s']['p50']:7.3f} s  P90 {d['restart_s']['p90']:7.3f} s  "
