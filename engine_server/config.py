@@ -94,7 +94,7 @@ class EngineConfig:
     fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
     fast_rounds: int = 0  # timed A/B rounds, at most (CPU 21, CUDA 15)
     fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (9)
-    fast_ci: float = 0.0  # stop once the speedup's 95% CI is within +-this fraction of it (CPU 0.05; CUDA off)
+    fast_ci: float = 0.0  # stop once the speedup's 95% CI is within +-this share of it (CPU 0.05; CUDA, < 0: off)
     fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 10)
     warmup_rounds: int = 2  # rounds dropped
     full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)

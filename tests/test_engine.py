@@ -124,7 +124,8 @@ def test_sequential_stopping_runs_to_the_cap_when_noisy(centre):
 def test_sequential_stopping_never_stops_below_the_minimum():
     same = [1.0] * 21  # an interval of width zero from the first round
     assert rounds_run(same, 9, 21, 0.05) == (9, "ci")
-    assert rounds_run(same, 9, 21, 0.0) == (21, "max_rounds")  # target 0: fixed rounds
+    assert rounds_run(same, 9, 21, 0.0) == (21, "max_rounds")  # target 0 (CUDA) or below: fixed rounds
+    assert rounds_run(same, 9, 21, -1.0) == (21, "max_rounds")
     assert rounds_run(same, 30, 21, 0.05) == (21, "max_rounds")  # the cap wins over a larger minimum
 
 

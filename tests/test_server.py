@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import sqlite3
+import ssl
 import subprocess
 import sys
 import time
@@ -19,6 +20,20 @@ STUCK = ("import signal\nfrom engine_server.models import llama as ref\n"
          "def forward(state, batch):\n    if batch.seq_len == 1:\n"
          "        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n        while True:\n            pass\n"
          "    return ref.forward(state, batch)\n")
+
+
+def test_client_calls_share_one_tls_context(monkeypatch):
+    """httpx builds a TLS context for every call that is not given one (it reads the CA bundle:
+    most of a loopback RPC's cost), so the client hands every call the same one."""
+    seen = []
+
+    def post(url, **kw):
+        seen.append(kw.get("verify"))
+        return httpx.Response(200, json={"ok": True})
+    monkeypatch.setattr(httpx, "post", post)
+    c = EngineClient("http://127.0.0.1:9", "token")
+    assert c.call("info")["ok"] and c.call("info")["ok"]
+    assert isinstance(seen[0], ssl.SSLContext) and seen[1] is seen[0]
 
 
 def start_engine(home, *extra):
