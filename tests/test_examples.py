@@ -265,11 +265,7 @@ state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
-            "pdl": {"EARLY_TRIGGER": True}},
-           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}, "gate_up": {"EVICT": "evict_first", "BLOCK_K": 32},
-            "pdl": {"PREFETCH_O": True, "PF_BULK": True, "PF_GU_STEPS": 4, "PF_GU_STRIDE": 2, "PF_KEEP": True}},
-           {"gate_up": {"BLOCK_K": 32}, "pdl": {"PF_GU_STEPS": 2, "PF_GU_STRIDE": 1}},
-           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "COMBINE_LAST": True}}]
+            "pdl": {"EARLY_TRIGGER": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -279,9 +275,6 @@ for conf in CONFIGS:
     for rows in (1, 2):  # the FMA GEMV and the tl.dot one
         mod.forward(state, decode_batch(torch.tensor([7, 11][:rows]), torch.tensor([5, 9][:rows]),
                                         torch.tensor([0, 1][:rows])))
-gu = state.tables["model.layers.0.mlp.gate_up_proj.weight"]  # the side prefetch (a CUDA stream: launched by hand)
-launches.append((mod._prefetch_lines_kernel, (32,), (gu, gu.shape[0], gu.stride(0)),
-                 dict(STEPS=2, STEP=32, GAP=64, LINE=64, CHUNK=256, num_warps=4)))
 TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
 seen, out = set(), []
 for fn, grid, args, kw in launches:
@@ -304,15 +297,8 @@ for fn, grid, args, kw in launches:
     ptx = c.asm["ptx"]
     out.append(dict(kernel=fn.__name__, launch_pdl=bool(c.metadata.launch_pdl), wait="griddepcontrol.wait" in ptx,
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
-                    prefetch_wanted=bool(consts.get("PF_STEPS") or (consts.get("PF_CHUNK") and not consts.get("PF_BULK"))),
-                    bulk="cp.async.bulk.prefetch.L2.global" in ptx,
-                    bulk_wanted=bool(consts.get("GU_STEPS") or (consts.get("PF_CHUNK") and consts.get("PF_BULK"))),
-                    keep="L2::evict_last" in ptx, keep_wanted=bool(consts.get("PF_KEEP")) and bool(
-                        consts.get("GU_STEPS") or (consts.get("PF_CHUNK") and consts.get("PF_BULK"))),
-                    evict_first="L2::evict_first" in ptx, evict_wanted=consts.get("EVICT") == "evict_first",
-                    fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts.get("PDL", 0),
-                    atomic="atom.global" in ptx, fence="fence.acq_rel.gpu" in ptx,
-                    combine_last=bool(consts.get("COMBINE_LAST")),
+                    prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
+                    fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
                     preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV")),
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
@@ -326,24 +312,16 @@ def test_pdl_kernels_compile_for_sm90():
     """With KNOBS["pdl"] on, every launch of a decode step (batch 1 and 2; RoPE in its own
     kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
     and lets the next one launch (after the wait, or before it with EARLY_TRIGGER); GEMVs with
-    PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches, and with
-    PF_BULK / PF_GU_STEPS its bulk (TMA) prefetches, evict_last with PF_KEEP; a GEMV's EVICT
-    reaches its loads; GEMVs with PRE and attention with PRELOAD_KV issue loads before the wait;
-    COMBINE_LAST's ticket is an atomic between fences; the side-stream prefetch kernel compiles."""
+    PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches; GEMVs
+    with PRE and attention with PRELOAD_KV issue loads before the wait."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
     assert kernels == {"_add_norm_kernel", "_gemv_kernel", "_rope_kv_kernel", "_attn_kernel",
-                       "_attn_combine_kernel", "_prefetch_lines_kernel"}, kernels
-    side = [r for r in res if r["kernel"] == "_prefetch_lines_kernel"]
-    assert side[0]["prefetch"] and not side[0]["launch_pdl"] and not side[0]["wait"], side
-    res = [r for r in res if r["kernel"] != "_prefetch_lines_kernel"]
+                       "_attn_combine_kernel"}, kernels
     for r in res:
-        assert r["atomic"] == r["fence"] == r["combine_last"], r  # the last split's ticket, fenced
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
-        assert r["bulk"] == r["bulk_wanted"] and r["keep"] == r["keep_wanted"], r
-        assert r["evict_first"] == r["evict_wanted"], r
         assert r["trigger_before_wait"] == (r["pdl"] == 2), r
         if r["preload"] or r["kernel"] == "_add_norm_kernel":  # the norm weight: always before
             assert r["load_before_wait"], r
@@ -352,8 +330,6 @@ def test_pdl_kernels_compile_for_sm90():
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
-    assert any(r["bulk"] and r["keep"] for r in res) and any(r["bulk"] and not r["keep"] for r in res)
-    assert any(r["evict_first"] for r in res)
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------
@@ -364,8 +340,6 @@ from benchmarks.attn_check import check
 import torch
 settings = {"exact-split": {"EXACT_SOFTMAX": True, "NSPLIT": 4, "BLOCK_S": 16},
             "online-fuse": {"EXACT_SOFTMAX": False, "NSPLIT": 4, "BLOCK_S": 16, "FUSE_ROPE": True},
-            "online-last": {"EXACT_SOFTMAX": False, "NSPLIT": 4, "BLOCK_S": 16, "FUSE_ROPE": True,
-                            "COMBINE_LAST": True},
             "broken-scale": {"EXACT_SOFTMAX": True, "NSPLIT": 1}}
 import benchmarks.attn_check as ac
 orig = ac.run_case
@@ -397,7 +371,7 @@ def test_attn_check_tells_rounding_from_a_bug():
     with the reference attention to rounding, K/V cells included, and a kernel fed a doubled
     softmax scale is far off."""
     rows = {r["setting"]: r for r in run_script(ATTN_CHECK_SCRIPT, [], interpret=True)}
-    for name in ("exact-split", "online-fuse", "online-last"):
+    for name in ("exact-split", "online-fuse"):
         assert rows[name]["finite"] and rows[name]["worst_rel_err"] < 2e-2, rows[name]
         assert rows[name]["kv_max_diff"] == 0.0, rows[name]  # RoPE rounded where the reference rounds
         assert len(rows[name]["cases"]) == 6  # 3 positions, batch 1 and batch 2

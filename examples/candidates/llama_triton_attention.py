@@ -92,8 +92,6 @@ KNOBS = {
     # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits;
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
-    # EVICT (optional): the L2 eviction priority of its weight loads ("evict_first" streams
-    # them past lines prefetched for later, "evict_last", or "" the default).
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -114,10 +112,8 @@ KNOBS = {
     # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
     # is loaded before the PDL wait, the row of this step's position re-read after it.
-    # COMBINE_LAST (online softmax, NSPLIT > 1): the last split of each (row, kv head) to finish
-    # (a device counter) merges the splits itself: no _attn_combine_kernel launch.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "FUSE_ROPE": False, "num_warps": 4,
-             "num_stages": 4, "PRELOAD_KV": True, "COMBINE_LAST": False},
+             "num_stages": 4, "PRELOAD_KV": True},
     "combine": {"num_warps": 2},
     "norm": {"num_warps": 16},
     "rope": {"num_warps": 2},
@@ -127,17 +123,7 @@ KNOBS = {
     # before it waits (weights are never written; see also the GEMVs' PF_STEPS and PRE).
     # EARLY_TRIGGER: each kernel lets the next one launch at its entry instead of after its
     # wait, so loads issued before the wait run a kernel further ahead.
-    # PF_GU_STEPS: the first attention kernel also bulk-prefetches (TMA, cp.async.bulk.prefetch)
-    # PF_GU_STEPS of the K steps (gate_up's BLOCK_K) of every gate_up weight row into L2, every
-    # PF_GU_STRIDE-th step from the first (1: a prefix; 2: every other one, so gate_up's loop
-    # alternates L2 hits with DRAM reads), while the latency-bound attention and o leave DRAM
-    # idle. PF_BULK: o_proj's prefetch too as one bulk prefetch per row instead of one per
-    # line. PF_KEEP: the bulk prefetches carry the L2 evict_last priority. PF_SIDE > 0: the
-    # PF_GU_STEPS prefetch moves off the chain: a kernel of PF_SIDE programs on a side stream,
-    # forked after the qkv GEMV (it starts when qkv ends) and joined at the end of the step,
-    # issues it line by line while attention, o and the norm run.
-    "pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False,
-            "PF_GU_STEPS": 0, "PF_GU_STRIDE": 2, "PF_BULK": False, "PF_KEEP": False, "PF_SIDE": 0},
+    "pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False},
     "stages": {"attention": True, "norm": False, "gemv": False},
 }
 
@@ -233,54 +219,6 @@ if HAVE_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _prefetch_rows(ptr, rows, stride, pid, nprog, STEPS: tl.constexpr, STEP: tl.constexpr,
-                       GAP: tl.constexpr, KEEP: tl.constexpr):
-        """This program's share (of nprog) of STEPS bulk prefetches into L2 per row of `rows`
-        rows (`stride` elements apart) at `ptr`: STEP elements each (16-byte multiples and
-        alignment), GAP elements apart from the row's start. One TMA instruction per piece
-        (cp.async.bulk.prefetch.L2, sm_90+): a hint, no result, nothing waits for it. KEEP:
-        with the L2 evict_last priority."""
-        total = rows * STEPS
-        per = tl.cdiv(total, nprog)
-        nbytes = STEP * (ptr.dtype.element_ty.primitive_bitwidth // 8)
-        for j0 in range(0, per, 128):
-            i = tl.minimum(pid * per + j0 + tl.arange(0, 128), total - 1)  # clamped: repeats are harmless
-            a = ptr + (i // STEPS).to(tl.int64) * stride + (i % STEPS) * GAP
-            n = nbytes + 0 * i
-            if KEEP:
-                tl.inline_asm_elementwise(
-                    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                    "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; } mov.u32 $0, 0;",
-                    "=r,l,r", [a, n], dtype=tl.int32, is_pure=False, pack=1)
-            else:
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-                                          "=r,l,r", [a, n], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _fence(x):
-        """fence.acq_rel.gpu in every thread holding an element of `x` (give it a tile that
-        spans the block); nothing under the interpreter, whose programs run one at a time."""
-        if not _INTERP:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x.to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_lines_kernel(ptr, rows, stride, STEPS: tl.constexpr, STEP: tl.constexpr, GAP: tl.constexpr,
-                               LINE: tl.constexpr, CHUNK: tl.constexpr):
-        """Grid (P,): the programs share out STEPS pieces of STEP elements, GAP apart, at the
-        start of each of `rows` rows (`stride` apart) of ptr, and pull them into L2 one cache
-        line (LINE elements) per lane: a hint, nothing written."""
-        LPS: tl.constexpr = (STEP + LINE - 1) // LINE  # lines a piece touches (from its start)
-        total = rows * (STEPS * LPS)
-        nprog = tl.num_programs(0)
-        per = tl.cdiv(total, nprog)
-        for j0 in range(0, per, CHUNK):
-            i = tl.minimum(tl.program_id(0) * per + j0 + tl.arange(0, CHUNK), total - 1)
-            r = i // (STEPS * LPS)
-            q = i % (STEPS * LPS)
-            _prefetch(ptr + r.to(tl.int64) * stride + (q // LPS) * GAP + (q % LPS) * LINE)
-
-    @triton.jit
     def _add_branch(x, br_base, offs, m, NBR, stride_br_s, like_ptr, BLOCK: tl.constexpr):
         """x + the sum over s < NBR of the branch partials at br_base + s * stride_br_s + offs
         (any dtype), the branch rounded to like_ptr's dtype before the add and the sum after
@@ -326,7 +264,7 @@ if HAVE_TRITON:
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
                      stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                     REDUCE_EACH: tl.constexpr, EVICT: tl.constexpr,
+                     REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
@@ -344,7 +282,6 @@ if HAVE_TRITON:
         PRE_K > 0 (a power of two, <= K_SPLIT): the program loads its first PRE_K columns of
         weight rows into registers before the wait (with PDL, while the kernel before it
         runs), their products summed apart from the loop's and added at the end.
-        EVICT: the L2 eviction priority of the weight loads ("", "evict_first", "evict_last").
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -364,9 +301,9 @@ if HAVE_TRITON:
                 pm = n_mask[:, None]
             else:
                 pm = n_mask[:, None] & (offs_p < K)[None, :]
-            wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVICT)  # [BLOCK_N, PRE_K]
+            wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0)  # [BLOCK_N, PRE_K]
             if SILU:
-                wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVICT)
+                wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0)
         if PDL:
             if PF_STEPS > 0:  # weights only: no kernel writes them
                 rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -411,9 +348,9 @@ if HAVE_TRITON:
                 wm = n_mask[:, None] & k_mask[None, :]
                 xm = b_mask[:, None] & k_mask[None, :]
             xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
-            wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
+            wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
             if SILU:
-                wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVICT)
+                wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
             if USE_DOT:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
@@ -564,15 +501,12 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
                      scale, stride_pos, stride_slot, s_slot, s_head, s_seq, pf_ptr, pf_lines,
-                     pf_rows, pf_stride, gu_ptr, gu_rows, gu_stride, cnt_ptr, qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
+                     qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
-                     PF_BULK: tl.constexpr, PF_ROW: tl.constexpr, PF_KEEP: tl.constexpr,
-                     GU_STEPS: tl.constexpr, GU_STEP: tl.constexpr, GU_GAP: tl.constexpr,
-                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     COMBINE_LAST: tl.constexpr):
+                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -592,15 +526,7 @@ if HAVE_TRITON:
         K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back after a
         block barrier like any other key.
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
-        lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next);
-        PF_BULK: as one bulk prefetch per row instead (pf_rows rows of PF_ROW elements, pf_stride
-        apart). GU_STEPS > 0 (PDL): then GU_STEPS bulk prefetches of GU_STEP elements, GU_GAP
-        apart, at the start of each of the gu_rows rows of gu_ptr (gate_up's weight, read four
-        kernels later). PF_KEEP: the bulk prefetches with the L2 evict_last priority.
-        COMBINE_LAST (PHASE 0, NSPLIT > 1): after storing its partial, each split takes a ticket
-        from the counter cnt[b, kvh] (zero at entry); the last one resets it and merges the
-        NSPLIT partials of its G heads into o as _attn_combine_kernel does (fences order the
-        partials' stores before the ticket and the merge's loads after it).
+        lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
         PRELOAD_KV: the split's first block of K (and V) is loaded before the wait (cells of
         earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
         from the values this program writes (WRITE_KV), else re-read from the cache.
@@ -612,19 +538,14 @@ if HAVE_TRITON:
         if PRELOAD_KV:  # the step's inputs and earlier steps' cache cells: before the wait
             pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
             slot = tl.load(slot_ptr + b * stride_slot)
-        if PDL:  # weights only: no kernel writes them
-            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + sp
+        if PDL:
             if PF_CHUNK > 0:
-                if PF_BULK:
-                    _prefetch_rows(pf_ptr, pf_rows, pf_stride, pid, nprog, 1, PF_ROW, 0, PF_KEEP)
-                else:
-                    per = tl.cdiv(pf_lines, nprog)
-                    for j0 in range(0, per, PF_CHUNK):
-                        idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
-                        _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
-            if GU_STEPS > 0:
-                _prefetch_rows(gu_ptr, gu_rows, gu_stride, pid, nprog, GU_STEPS, GU_STEP, GU_GAP, PF_KEEP)
+                nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+                pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + sp
+                per = tl.cdiv(pf_lines, nprog)
+                for j0 in range(0, per, PF_CHUNK):
+                    idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
+                    _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
         if not PRELOAD_KV:
             _pdl_wait(PDL)
             pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
@@ -706,25 +627,6 @@ if HAVE_TRITON:
                 tl.store(po_ptr + row[:, None] * HD + d[None, :], acc, mask=gm[:, None])
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
-                if COMBINE_LAST:
-                    _fence(acc)  # this thread's partial stores, before the ticket
-                    tl.debug_barrier()  # every thread's
-                    ticket = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-                    if ticket == NSPLIT - 1:  # the last split: all partials are stored
-                        _fence(acc)
-                        tl.store(cnt_ptr + b * tl.num_programs(1) + kvh, 0)
-                        ss = tl.arange(0, NS_P)
-                        sm = ss < NSPLIT
-                        for gi in tl.static_range(G):
-                            bh = b * H + kvh * G + gi
-                            pacc = tl.load(po_ptr + (bh * NSPLIT + ss)[:, None] * HD + d[None, :], mask=sm[:, None],
-                                           other=0.0, cache_modifier=".cg")
-                            pms = tl.load(pm_ptr + bh * NSPLIT + ss, mask=sm, other=float("-inf"), cache_modifier=".cg")
-                            pls = tl.load(pl_ptr + bh * NSPLIT + ss, mask=sm, other=0.0, cache_modifier=".cg")
-                            mx = tl.max(pms, axis=0)
-                            wgt = tl.where(sm, tl.exp(pms - mx), 0.0)
-                            out = tl.sum(pacc * wgt[:, None], axis=0) / tl.sum(pls * wgt, axis=0)
-                            tl.store(o_ptr + bh * HD + d, _to(out, o_ptr))
         else:
             if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
                 if PRELOAD_KV:
@@ -853,7 +755,6 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
-                       EVICT=str(kn.get("EVICT", "")),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
@@ -893,30 +794,10 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
     h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _gu_prefetch(w_gu) -> tuple[int, int, int]:
-    """(pieces per row, elements per piece, elements between pieces) of KNOBS["pdl"]["PF_GU_STEPS"]
-    for gate_up's weight `w_gu` [2I, D], or zeros: off, or rows the bulk copies cannot cover
-    whole (a row not a whole number of 16-byte aligned BLOCK_K steps)."""
-    kp = KNOBS["pdl"]
-    steps, stride = int(kp.get("PF_GU_STEPS", 0)), max(1, int(kp.get("PF_GU_STRIDE", 1)))
-    bk = int(KNOBS["gate_up"]["BLOCK_K"])
-    K = w_gu.shape[1]
-    if steps <= 0 or K % bk or (bk * w_gu.element_size()) % 16 or w_gu.stride(1) != 1:
-        return 0, 0, 0
-    steps = min(steps, triton.cdiv(K // bk, stride))
-    if stride == 1:  # a prefix: one piece
-        return 1, steps * bk, 0
-    return steps, bk, stride * bk
-
-
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, cnt=None):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
-    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2, and
-    with PF_GU_STEPS the share of `w_gu` (gate_up's weight) that _gu_prefetch says (unless
-    PF_SIDE moves it to a side stream: _side_prefetch). cnt: int32 [B, KV] zeros, the
-    COMBINE_LAST counters of this layer (allocated here when not given; _decode zeroes all
-    layers' at once, before the first kernel, so no memset sits between two kernels)."""
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -958,49 +839,19 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                 BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=pdl,
                 num_warps=ka["num_warps"], num_stages=ka["num_stages"], **_launch(pdl))
     # PDL: the first attention kernel prefetches o_proj's weight, read two kernels later
-    kp = KNOBS["pdl"]
-    pf = pdl and w_next is not None and bool(kp["PREFETCH_O"])
+    pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
     pf_t = w_next if pf else o
-    bulk = bool(kp.get("PF_BULK", False)) and pf_t.stride(-1) == 1 and (pf_t.shape[-1] * pf_t.element_size()) % 16 == 0
-    gu = _gu_prefetch(w_gu) if pdl and w_gu is not None and not int(kp.get("PF_SIDE", 0)) else (0, 0, 0)
-    last = nsplit > 1 and not exact and bool(ka.get("COMBINE_LAST", False))
-    if last and cnt is None:
-        cnt = torch.zeros(B, KV, device=qkv.device, dtype=torch.int32)
-    gu_t = w_gu if gu[0] else o
     phases = ([1] if exact and nsplit > 1 else []) + [2 if exact else 0]
     for i, phase in enumerate(phases):
-        _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), pf_t.shape[0],
-                                      pf_t.stride(0), gu_t, gu_t.shape[0], gu_t.stride(0),
-                                      cnt if last else pos, *rope, PHASE=phase, COMBINE_LAST=last,
+        _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
-                                      PF_BULK=bulk, PF_ROW=pf_t.shape[-1], PF_KEEP=bool(kp.get("PF_KEEP", False)),
-                                      GU_STEPS=gu[0] if i == 0 else 0, GU_STEP=max(1, gu[1]), GU_GAP=gu[2],
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)), **meta)
-    if nsplit > 1 and not last:
+    if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],
                                        **_launch(pdl))
     return o
-
-
-def _side_prefetch(w_gu):
-    """With KNOBS["pdl"]["PF_SIDE"] and PF_GU_STEPS: fork a side stream from the current one
-    (after what it has queued) and launch _prefetch_lines_kernel there over gate_up's weight
-    `w_gu`. Returns the side stream (join it before the step ends), or None."""
-    kp = KNOBS["pdl"]
-    nprog = int(kp.get("PF_SIDE", 0))
-    if nprog <= 0 or w_gu.device.type != "cuda" or _interpreting():
-        return None
-    steps, step, gap = _gu_prefetch(w_gu)
-    if not steps:
-        return None
-    side = torch.cuda.Stream(device=w_gu.device)
-    side.wait_stream(torch.cuda.current_stream(w_gu.device))
-    with torch.cuda.stream(side):
-        _prefetch_lines_kernel[(nprog,)](w_gu, w_gu.shape[0], w_gu.stride(0), STEPS=steps, STEP=step, GAP=gap,
-                                         LINE=_line(w_gu), CHUNK=256, num_warps=4)
-    return side
 
 
 def _decode(state, batch):
@@ -1015,11 +866,6 @@ def _decode(state, batch):
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
     branch = None  # partials of the last projection, added to x by the next norm
-    ka = KNOBS["attn"]
-    cnt = None  # COMBINE_LAST's counters, zeroed once here (a memset before the first kernel)
-    if ka.get("COMBINE_LAST", False) and not ka["EXACT_SOFTMAX"] and int(ka["NSPLIT"]) > 1 and _stage("attention"):
-        cnt = torch.zeros(len(state.layers), B, cfg.num_kv_heads, device=dev, dtype=torch.int32)
-    sides = []
 
     def normed_gemv(weight, norm_w, knob, silu=False):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
@@ -1027,22 +873,13 @@ def _decode(state, batch):
         _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
         return _linear(h, weight, knob, silu=silu, pdl=pdl)
 
-    for i, layer in enumerate(state.layers):
+    for layer in state.layers:
         p = f"model.layers.{layer}."
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv")
         wo = w[p + "self_attn.o_proj.weight"]
-        w_gu = t[p + "mlp.gate_up_proj.weight"]
-        if pdl and _stage("gemv"):
-            side = _side_prefetch(w_gu)
-            if side is not None:
-                sides.append(side)
-        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
-                       w_gu=w_gu if _stage("gemv") else None, cnt=cnt[i] if cnt is not None else None)
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
         branch = _linear(o, wo, "o", pdl=pdl)
-        act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up",
+        act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
                           silu=True)[0]
         branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
-    logits = normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
-    for side in sides:  # the side prefetches wrote nothing, but the step ends after them
-        torch.cuda.current_stream(dev).wait_stream(side)
-    return logits
+    return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]

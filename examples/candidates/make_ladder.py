@@ -44,9 +44,9 @@ LADDER = {
 WINNERS = {
     "llama_triton_decode_h200.py": (
         [('"EXACT_SOFTMAX": True, "FUSE_ROPE": False,', '"EXACT_SOFTMAX": False, "FUSE_ROPE": True,'),
-         ('"num_stages": 4, "PRELOAD_KV": True,', '"num_stages": 4, "PRELOAD_KV": False,'),
-         ('"pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False,',
-          '"pdl": {"enabled": True, "PREFETCH_O": True, "EARLY_TRIGGER": False,')],
+         ('"num_stages": 4, "PRELOAD_KV": True},', '"num_stages": 4, "PRELOAD_KV": False},'),
+         ('"pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False},',
+          '"pdl": {"enabled": True, "PREFETCH_O": True, "EARLY_TRIGGER": False},')],
         "The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):\n"
         "llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention\n"
         "(without PRELOAD_KV), and o_proj's weight prefetched into L2 by the first attention kernel.\n"
