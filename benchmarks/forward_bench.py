@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import baselines  # noqa: E402
 from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server.engine import REFERENCE, Engine, EngineConfig  # noqa: E402
+from engine_server.greedy import argmax  # noqa: E402
 from engine_server.graphs import capture  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from engine_server.state import decode_batch, prefill_batch  # noqa: E402
@@ -270,7 +271,7 @@ def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, r
         raise ValueError(f"context {ctx} + steps {steps} exceeds the cache's {eng.state.max_seq} positions")
     slot = torch.tensor([0], device=dev)
     with torch.no_grad():
-        first = cand.forward(st, prefill_batch(torch.tensor([prompt], device=dev), slot)).argmax(-1)  # [1]
+        first = argmax(cand.forward(st, prefill_batch(torch.tensor([prompt], device=dev), slot))).view(-1)  # [1]
         graph = eng.cuda and cand.graphs is not None and cand.graphs.has(st, 1)
         if graph:
             static = eng.inputs.batches[1]
@@ -289,7 +290,7 @@ def decode_loop(eng: Engine, cand, prompt: list[int], steps: int, warmup: int, r
                 tok = first
                 for i in range(n):
                     out = cand.forward(st, decode_batch(tok, torch.tensor([ctx + i], device=dev), slot))
-                    tok = out.argmax(-1)
+                    tok = argmax(out).view(-1)
                     if rec is not None:
                         rec.append(tok)
 
@@ -316,7 +317,7 @@ def step_graph(cand, st, static) -> "torch.cuda.CUDAGraph":
     warm-up before the capture writes K/V at the positions it passes; the caller resets them."""
     def body() -> None:
         out = cand.forward(st, static)
-        torch.argmax(out, -1, keepdim=True, out=static.tokens)
+        argmax(out, out=static.tokens)  # engine_server.greedy: torch.argmax's result in two passes
         static.positions.add_(1)
     return capture(body)[0]
 

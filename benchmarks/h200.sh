@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|tests
+#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -57,6 +57,9 @@ fidelity+cycle)
 memory)  # the winner alone: peak GPU memory of the engine with it, what its install adds
     python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
         --out "$OUT/memory.json" "${ladder[0]}" 2>&1 | tail -n 12 | cut -c1-400
+    ;;
+greedy)  # the greedy sampler inside a captured step: torch.argmax against engine_server.greedy
+    python3 benchmarks/greedy_bench.py --device cuda --out "$OUT/greedy.json" 2>&1 | grep -v '^{' | tee "$OUT/greedy.txt"
     ;;
 engine)
     python3 benchmarks/engine_bench.py --device cuda --repeats 3 --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"

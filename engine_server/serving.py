@@ -414,7 +414,9 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> list[int]:
         """logits [B, vocab] -> one token per row: argmax, or temperature/top_p sampling."""
         import torch
-        toks = logits.argmax(-1).tolist()
+
+        from engine_server.greedy import argmax
+        toks = argmax(logits).view(-1).tolist()
         for i, r in enumerate(reqs):
             if r.temperature > 0:
                 probs = torch.softmax(logits[i].float().cpu() / r.temperature, -1)
