@@ -17,7 +17,7 @@ FILES = [
     "engine_server/state.py", "engine_server/config.py",
     "engine_server/models/__init__.py", "engine_server/models/common.py", "engine_server/models/llama.py",
     "engine_server/models/moe.py", "engine_server/models/gpt2.py",
-    "engine_server/measure.py", "engine_server/exact.py", "engine_server/guards.py",
+    "engine_server/measure.py", "engine_server/exact.py", "engine_server/greedy.py", "engine_server/guards.py",
     "engine_server/graphs.py", "engine_server/candidate.py",
 ]
 MAX_LINES = 400  # per read; ask again with start_line for more

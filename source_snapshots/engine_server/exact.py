@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from engine_server.greedy import argmax
 from engine_server.measure import NEAR_TIE_K, call, compare, near_tie, run_step
 from engine_server.results import ExactResult, Mismatch, TokenDivergence
 from engine_server.state import decode_batch, prefill_batch
@@ -154,7 +155,7 @@ def _side(eng, cand, noise, prompts, steps):
         out, v = run_step(eng, cand, st, b)
         viol += v
         pre.append(out)
-        toks.append(out.argmax(-1))
+        toks.append(argmax(out).view(-1))
         lens.append(len(ids))
     cur = torch.cat(toks)
     slots = torch.arange(len(prompts), device=dev)
@@ -164,7 +165,7 @@ def _side(eng, cand, noise, prompts, steps):
         out, v = run_step(eng, cand, st, decode_batch(cur, lens_t + s, slots))
         viol += v
         dec.append(out)
-        cur = out.argmax(-1)
+        cur = argmax(out).view(-1)
         stream.append(cur)
     return pre, dec, torch.stack(stream), eng.state.clone_cache(), viol
 
