@@ -81,6 +81,8 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, impl: str | No
     `out` ([B, 1] int64) written there as well and returned. impl: None picks by device."""
     B, V = logits.shape
     impl = impl or _default_impl(logits)
+    if impl not in ("torch", "two_pass", "triton"):
+        raise ValueError(f"unknown argmax impl {impl!r}: torch, two_pass or triton")
     chunk = TRITON_CHUNK if impl == "triton" else CHUNK
     if impl == "torch" or V < 2 * chunk or logits.stride(-1) != 1:
         return torch.argmax(logits, -1, keepdim=True, out=out)
@@ -92,8 +94,6 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, impl: str | No
         _argmax_part_kernel[(P, B)](logits, pv, pi, V, logits.stride(0), P, CHUNK=chunk, num_warps=4)
         _argmax_final_kernel[(B,)](pv, pi, tok, P, tok.stride(0), BLOCK_P=triton.next_power_of_2(P), num_warps=4)
         return tok
-    if impl != "two_pass":
-        raise ValueError(f"unknown argmax impl {impl!r}: torch, two_pass or triton")
     n = V // chunk
     vals, idx = logits[:, :n * chunk].view(B, n, chunk).max(-1)  # [B, n]: each slice's first max
     if V > n * chunk:  # the short last slice
