@@ -48,7 +48,7 @@ def experiment(c: EngineClient, source: str) -> dict:
     m = c.call("measure_fast", candidate_id=r["candidate_id"])
     assert r["ok"] and m["ok"], (r, m)
     return {"candidate_id": r["candidate_id"], "install_s": r["seconds"], "fast_s": m["seconds"],
-            "rounds": m["samples"], "speedup_ci95": m["speedup_ci95"]}
+            "rounds": m["samples"], "speedup_ci95": m["speedup_ci95"], "phases_s": m["config"].get("phases_s")}
 
 
 def main() -> int:

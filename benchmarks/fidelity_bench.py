@@ -154,7 +154,8 @@ def main() -> int:
             continue
         fm, full = eng.measure_fast(r.candidate_id), eng.measure_full(r.candidate_id)
         rows.append({"name": name, "fast": fm.speedup, "fast_ci95": fm.speedup_ci95, "full": full.speedup,
-                     "full_ci95": full.speedup_ci95, "fast_s": fm.seconds, "full_s": full.seconds})
+                     "full_ci95": full.speedup_ci95, "fast_s": fm.seconds, "full_s": full.seconds,
+                     "fast_rounds": fm.samples, "fast_phases_s": fm.config.get("phases_s")})
         print(f"{name:>60}: fast x{fm.speedup:.3f}  full x{full.speedup:.3f}")
         eng.remove(r.candidate_id)
     rho = spearman([r["fast"] for r in rows], [r["full"] for r in rows])

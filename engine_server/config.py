@@ -93,8 +93,8 @@ class EngineConfig:
     fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one)
     fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
     fast_rounds: int = 0  # timed A/B rounds, at most (CPU 21, CUDA 15)
-    fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (9)
-    fast_ci: float = 0.0  # stop once the speedup's 95% CI is within +-this share of it (CPU 0.05; CUDA, < 0: off)
+    fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (CPU 9, CUDA 5)
+    fast_ci: float = 0.0  # stop once the speedup's 95% CI is within +-this share of it (CPU 0.05, CUDA 0.01; < 0: off)
     fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 10)
     warmup_rounds: int = 2  # rounds dropped
     full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)
@@ -120,7 +120,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
             max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 21, 15),
-            fast_min_rounds=pick(self.fast_min_rounds, 9, 9), fast_ci=pick(self.fast_ci, 0.05, 0.0),
+            fast_min_rounds=pick(self.fast_min_rounds, 9, 5), fast_ci=pick(self.fast_ci, 0.05, 0.01),
             fast_iters=pick(self.fast_iters, 3, 10), full_requests=pick(self.full_requests, 10, 32),
             full_max_prompt=pick(self.full_max_prompt, 64, 2048),
             full_max_output=pick(self.full_max_output, 8, 64),

@@ -286,7 +286,10 @@ class Engine:
             finally:
                 if snap is not None:
                     self.state.load_cache(*snap)
+            t_guards = time.perf_counter()
             violations = self.weight_guard.check() + self.process_guard.check()
+            if isinstance(res, MeasureResult) and "phases_s" in res.config:
+                res.config["phases_s"]["guards"] = round(time.perf_counter() - t_guards, 4)
             if violations:
                 res.violations = list(res.violations) + violations
                 if isinstance(res, ExactResult):

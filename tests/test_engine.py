@@ -147,10 +147,25 @@ def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
         cfg.fast_rounds, cfg.fast_min_rounds, cfg.fast_ci = saved
 
 
-def test_sequential_stopping_is_a_cpu_default_only():
+def test_sequential_stopping_defaults_per_device():
     cpu, cuda = EngineConfig(device="cpu").resolved(), EngineConfig(device="cuda").resolved()
     assert (cpu.fast_rounds, cpu.fast_min_rounds, cpu.fast_ci) == (21, 9, 0.05)
-    assert (cuda.fast_rounds, cuda.fast_ci) == (15, 0.0)  # CUDA: every round, as measured on the H200
+    # CUDA timings are steady: +-1% after at least 5 rounds, 15 at most
+    assert (cuda.fast_rounds, cuda.fast_min_rounds, cuda.fast_ci) == (15, 5, 0.01)
+    off = EngineConfig(device="cuda", fast_ci=-1.0).resolved()
+    assert off.fast_ci < 0 and measure.should_stop([1.0] * 14, off.fast_min_rounds, off.fast_rounds, off.fast_ci) is None
+
+
+def test_fast_tier_says_where_its_seconds_go(llama_engine):
+    r = llama_engine.submit_forward_pass(reference_source(llama_engine))
+    fm = llama_engine.measure_fast(r.candidate_id)
+    ph = fm.config["phases_s"]
+    parts = ("setup", "rounds_decode", "rounds_prefill", "outputs", "depth_check")
+    assert set(ph) == set(parts) | {"total", "guards"}, ph  # guards: the engine's checks after the call
+    assert all(ph[k] > 0 for k in parts if k != "setup") and ph["setup"] >= 0, ph
+    # the parts are disjoint spans of the call: they add up to no more than it took
+    assert sum(ph[k] for k in parts) <= ph["total"] + 1e-3, ph
+    assert ph["total"] + ph["guards"] <= fm.seconds + 1e-3, (ph, fm.seconds)
 
 
 def test_prepare_scratch_is_counted_and_usable(llama_engine):

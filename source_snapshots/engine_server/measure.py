@@ -19,8 +19,8 @@ summation order can flip in a pass that is close but not bitwise).
 
 Both: rounds alternate which side goes first; warm-up dropped; medians with spread;
 speedup = reference time / candidate time with a paired bootstrap 95% interval; the fast
-tier's rounds stop once that interval is narrow enough (`should_stop`; by default not on
-CUDA). On CUDA the decode steps replay each forward pass's CUDA graphs and are timed with
+tier's rounds stop once that interval is narrow enough (`should_stop`: +-5% after 9 rounds on
+the CPU, +-1% after 5 on CUDA) and its result says where its seconds went (`phases_s`). On CUDA the decode steps replay each forward pass's CUDA graphs and are timed with
 CUDA events. The timed outputs are compared with the reference's on the same inputs: a
 candidate that is fast only while timed (skips layers, returns stale results) is flagged,
 not rewarded.
@@ -278,6 +278,7 @@ def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[st
 
 
 def fast(eng, cand) -> MeasureResult:
+    t_start = time.perf_counter()
     cfg, setup = eng.config, eng.fast_setup
     if not setup.weighted:
         if eng.replay_schedule is None:
@@ -293,6 +294,8 @@ def fast(eng, cand) -> MeasureResult:
              for side, c in (("ref", ref), ("cand", cand))}
     eng.state.load_cache(*setup.kv)
     raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
+    # where the call's seconds go, for whoever wants the tier cheaper (result config "phases_s")
+    phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0}
 
     def estimate(s: str, sh: Shape, i: int) -> float:
         """Round i's full-depth estimate of one shape on side s."""
@@ -308,7 +311,9 @@ def fast(eng, cand) -> MeasureResult:
         for side in order:
             c, states = sides[side]
             for d, sh in plan:
+                t0 = time.perf_counter()
                 t = _time_steps(eng, c, states[d], sh, cfg.fast_iters)
+                phases["rounds_prefill" if sh.prefill else "rounds_decode"] += time.perf_counter() - t0
                 if r >= cfg.warmup_rounds:
                     raw[side][d, sh.name].append(t)
         if r >= cfg.warmup_rounds:
@@ -344,6 +349,7 @@ def fast(eng, cand) -> MeasureResult:
     # the timed outputs, against the reference's from the same cache; the candidate's first run
     # waits for stray threads and streams to land (guards.settled), the rest need not, nor
     # does the reference (the engine's own code)
+    t0 = time.perf_counter()
     worst = "bitwise"
     for i, (d, sh) in enumerate(plan):
         outs = {}
@@ -360,10 +366,15 @@ def fast(eng, cand) -> MeasureResult:
                                   f"(max abs diff {diff:.3g}): it computes something else when measured")
         worst = max(worst, verdict, key=("bitwise", "close", "differ").index)
     res.outputs_match = worst
+    phases["outputs"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     _depth_check(eng, res, setup, sides, med)
+    phases["depth_check"] = time.perf_counter() - t0
     _plausibility(eng, res, setup)
     res.valid = not res.violations
     eng.state.load_cache(*setup.kv)
+    phases["total"] = time.perf_counter() - t_start
+    res.config["phases_s"] = {k: round(v, 4) for k, v in phases.items()}
     return res
 
 
