@@ -9,12 +9,21 @@ the Spearman rank correlation of their speedups.
 
     python benchmarks/fidelity_bench.py --device cuda [--full-requests 12] [--variants 6] [examples/candidates/*.py]
 
+`--also-fast '{"name": {EngineConfig field: value}}'` measures each candidate's fast tier
+again under each of those settings (alternating which goes first) and reports how its
+speedups rank against the default's and what each costs: how a cheaper stopping rule is
+judged against the one whose fidelity was measured. `--no-full` skips the full tier.
+
 Prints a card, then one JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -140,8 +149,15 @@ def main() -> int:
     p.add_argument("--moves", type=int, default=9, help="move combinations among the candidates")
     p.add_argument("--full-requests", type=int, default=0, help="full-tier requests (0: the engine default)")
     p.add_argument("--variants", type=int, default=0, help="single-knob variants of the first file's KNOBS")
+    p.add_argument("--also-fast", default="{}", help="JSON: setting name -> EngineConfig overrides")
+    p.add_argument("--no-full", action="store_true", help="fast tier only (with --also-fast)")
     p.add_argument("files", nargs="*", help="more candidates: forward-pass files (e.g. examples/candidates/*.py)")
     a = p.parse_args()
+    settings = json.loads(a.also_fast)
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    for k, v in settings.items():
+        if not set(v) <= known:
+            p.error(f"--also-fast {k}: not EngineConfig fields: {sorted(set(v) - known)}")
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, full_requests=a.full_requests))
     rows = []
     t0 = time.perf_counter()
@@ -152,20 +168,61 @@ def main() -> int:
         if not r.ok:
             print(f"{name}: install failed: {r.error.message[:200]}")
             continue
-        fm, full = eng.measure_fast(r.candidate_id), eng.measure_full(r.candidate_id)
-        rows.append({"name": name, "fast": fm.speedup, "fast_ci95": fm.speedup_ci95, "full": full.speedup,
-                     "full_ci95": full.speedup_ci95, "fast_s": fm.seconds, "full_s": full.seconds,
-                     "fast_rounds": fm.samples, "fast_phases_s": fm.config.get("phases_s")})
-        print(f"{name:>60}: fast x{fm.speedup:.3f}  full x{full.speedup:.3f}")
+        also = {}
+        order = [None, *settings] if len(rows) % 2 == 0 else [*settings, None]
+        for setting in order:
+            with overrides(eng, settings.get(setting, {})):
+                m = eng.measure_fast(r.candidate_id)
+            if setting is None:
+                fm = m
+            else:
+                also[setting] = {"fast": m.speedup, "fast_ci95": m.speedup_ci95, "fast_s": m.seconds,
+                                 "fast_rounds": m.samples, "fast_phases_s": m.config.get("phases_s")}
+        full = None if a.no_full else eng.measure_full(r.candidate_id)
+        rows.append({"name": name, "fast": fm.speedup, "fast_ci95": fm.speedup_ci95,
+                     "full": full.speedup if full else None, "full_ci95": full.speedup_ci95 if full else None,
+                     "fast_s": fm.seconds, "full_s": full.seconds if full else None,
+                     "fast_rounds": fm.samples, "fast_phases_s": fm.config.get("phases_s"), "also_fast": also})
+        print(f"{name:>60}: fast x{fm.speedup:.3f}" + (f"  full x{full.speedup:.3f}" if full else "")
+              + "".join(f"  {k} x{v['fast']:.3f}" for k, v in also.items()))
         eng.remove(r.candidate_id)
-    rho = spearman([r["fast"] for r in rows], [r["full"] for r in rows])
     res = {"bench": "fidelity", "model": eng.model.name, "device": a.device, "candidates": len(rows),
-           "spearman": rho, "fast_s_mean": sum(r["fast_s"] for r in rows) / len(rows),
-           "full_s_mean": sum(r["full_s"] for r in rows) / len(rows), "rows": rows,
-           "seconds": time.perf_counter() - t0, "hardware": hardware(str(eng.device)).model_dump()}
-    print(f"Spearman rank correlation, fast vs full tier, {len(rows)} candidates: {rho:.3f}; "
-          f"fast tier {res['fast_s_mean']:.2f} s, full tier {res['full_s_mean']:.2f} s a call")
+           "fast_config": {k: v for k, v in dataclasses.asdict(eng.config).items() if k.startswith("fast_")},
+           "fast_s_mean": statistics.mean(r["fast_s"] for r in rows), "rows": rows}
+    if not a.no_full:
+        res["spearman"] = spearman([r["fast"] for r in rows], [r["full"] for r in rows])
+        res["full_s_mean"] = statistics.mean(r["full_s"] for r in rows)
+        print(f"Spearman rank correlation, fast vs full tier, {len(rows)} candidates: {res['spearman']:.3f}; "
+              f"fast tier {res['fast_s_mean']:.2f} s, full tier {res['full_s_mean']:.2f} s a call")
+    res["also_fast"] = {}
+    for k in settings:
+        other = [r["also_fast"][k]["fast"] for r in rows]
+        summary = {"overrides": settings[k], "spearman_vs_default_fast": spearman([r["fast"] for r in rows], other),
+                   "max_abs_diff_vs_default_fast": max(abs(r["fast"] - o) for r, o in zip(rows, other)),
+                   "fast_s_mean": statistics.mean(r["also_fast"][k]["fast_s"] for r in rows),
+                   "rounds_mean": statistics.mean(r["also_fast"][k]["fast_rounds"] for r in rows)}
+        if not a.no_full:
+            summary["spearman_vs_full"] = spearman(other, [r["full"] for r in rows])
+        res["also_fast"][k] = summary
+        print(f"fast tier with {k} {settings[k]}: Spearman {summary['spearman_vs_default_fast']:.3f} against the "
+              f"default's speedups (max |diff| {summary['max_abs_diff_vs_default_fast']:.4f}), "
+              f"{summary['fast_s_mean']:.2f} s a call against {res['fast_s_mean']:.2f} s, "
+              f"{summary['rounds_mean']:.1f} rounds against {statistics.mean(r['fast_rounds'] for r in rows):.1f}")
+    res.update(seconds=time.perf_counter() - t0, hardware=hardware(str(eng.device)).model_dump())
     return emit(res, a.out)
+
+
+@contextlib.contextmanager
+def overrides(eng: Engine, fields: dict):
+    """The engine's (resolved) config with these fields changed, for the block only."""
+    saved = {k: getattr(eng.config, k) for k in fields}
+    try:
+        for k, v in fields.items():
+            setattr(eng.config, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(eng.config, k, v)
 
 
 if __name__ == "__main__":
