@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_server import measure
+from engine_server.config import ConfigError
 from engine_server.engine import Engine, EngineConfig
 from engine_server.selfcheck import perturbed_source, reference_source
 
@@ -166,6 +167,46 @@ def test_fast_tier_says_where_its_seconds_go(llama_engine):
     # the parts are disjoint spans of the call: they add up to no more than it took
     assert sum(ph[k] for k in parts) <= ph["total"] + 1e-3, ph
     assert ph["total"] + ph["guards"] <= fm.seconds + 1e-3, (ph, fm.seconds)
+
+
+PREFILL_PADDER = """
+import dataclasses
+
+from engine_server.models import llama as ref
+
+
+def forward(state, batch):
+    if not state.layers and batch.seq_len > 1:  # the no-layer prefill runs a layer, thrown away
+        ref.forward(dataclasses.replace(state, layers=(0,)), batch)
+    return ref.forward(state, batch)
+"""
+
+
+def test_fast_prefill_layers_extrapolates_and_depth_checks_the_prefill(llama_engine):
+    cfg = llama_engine.config
+    assert cfg.fast_prefill == "layers"  # the CPU default
+    copy = llama_engine.submit_forward_pass(reference_source(llama_engine))
+    pad = llama_engine.submit_forward_pass(PREFILL_PADDER)
+    assert copy.ok and pad.ok
+    fm = llama_engine.measure_fast(copy.candidate_id)
+    assert fm.valid, fm.violations
+    prefill = next(s.shape for s in fm.shapes if s.shape.startswith("prefill"))
+    assert set(fm.config["depth_check"]) == {fm.shapes[0].shape, prefill}, fm.config["depth_check"]
+    assert fm.config["prefill"] == "layers" and fm.config["phases_s"]["rounds_prefill"] > 0
+    # padding the no-layer prefill would shrink its extrapolated time: the prefill's own
+    # full-depth timing gives it away
+    fm = llama_engine.measure_fast(pad.candidate_id)
+    assert not fm.valid and any(prefill in v and "grow with the layers" in v for v in fm.violations), fm.violations
+    try:
+        cfg.fast_prefill = "full"  # the prefill timed at full depth: nothing to pad, nothing more to check
+        fm = llama_engine.measure_fast(copy.candidate_id)
+        assert fm.valid and list(fm.config["depth_check"]) == [fm.shapes[0].shape], fm.config
+        assert fm.config["prefill"] == "full"
+    finally:
+        cfg.fast_prefill = "layers"
+    assert EngineConfig(device="cuda").resolved().fast_prefill == "full"  # until measured on a GPU
+    with pytest.raises(ConfigError, match="fast_prefill"):
+        EngineConfig(fast_prefill="half").resolved()
 
 
 def test_prepare_scratch_is_counted_and_usable(llama_engine):
