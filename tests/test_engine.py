@@ -169,7 +169,7 @@ def test_fast_tier_says_where_its_seconds_go(llama_engine):
     assert ph["total"] + ph["guards"] <= fm.seconds + 1e-3, (ph, fm.seconds)
 
 
-PREFILL_PADDER = """
+PREFILL_PADDER = """  # tests/cheaters/depth_padder.py, for the prefill only
 import dataclasses
 
 from engine_server.models import llama as ref

@@ -42,8 +42,9 @@ from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
 # a full-depth step may take this much more than extrapolated, relative to the reference's,
-# judged on this many interleaved full-depth timings a side (CPU: honest passes measured at
-# 0.86-1.14 of the reference's ratio, the depth padder in tests/cheaters at 1.66-2.37)
+# judged on this many interleaved repetitions a side, each timing full depth, the fast layers
+# and none back to back (CPU: copies of the reference measured at 0.93-1.07 of its ratio, the
+# depth padder in tests/cheaters at 2.2-2.4 on decode and 2.9-3.5 on prefill)
 DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
 DEPTH_REPS = {"cuda": 5, "cpu": 9}
 # an extrapolated prefill is checked on fewer: one eager full-depth pass costs as much as a
@@ -375,7 +376,7 @@ def fast(eng, cand) -> MeasureResult:
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _depth_check(eng, res, setup, sides, med)
+    _depth_check(eng, res, setup, sides)
     phases["depth_check"] = time.perf_counter() - t0
     _plausibility(eng, res, setup)
     res.valid = not res.violations
@@ -390,29 +391,33 @@ def _full_depth(cfg, sh: Shape) -> bool:
     return sh.prefill and cfg.fast_prefill == "full"
 
 
-def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict, med: dict) -> None:
+def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict) -> None:
     """The extrapolation holds only if time grows with the layers run: a pass that pads its
-    no-layer step (or slows down at full depth) would look faster than it is. Times one
-    full-depth batch-1 decode shape, and the prefill when it was extrapolated too, for both
-    sides (interleaved) and compares their measured/estimated ratios; the slack is wider on
-    the CPU, whose timings are noisier."""
+    no-layer step (or slows down at full depth) would look faster than it is. For one
+    batch-1 decode shape, and the prefill when it was extrapolated too, each repetition times
+    a side at full depth, at the fast layers and at none, back to back, and takes full-depth
+    time over its extrapolation; the sides alternate, and the candidate's median ratio must
+    stay within the slack of the reference's (wider on the CPU, whose timings are noisier).
+    Timed together, the three share the machine's state of the moment, which the rounds,
+    timed seconds before, do not."""
     checked = [next(s for s in setup.shapes if not s.prefill)]
     checked += [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
     kind = "cuda" if eng.cuda else "cpu"
-    reps = DEPTH_REPS[kind]
-    times = {(side, sh.name): [] for side in sides for sh in checked}
+    L, k = len(eng.state.layers), len(eng.fast_layers)
+    ratios = {(side, sh.name): [] for side in sides for sh in checked}
     eng.state.load_cache(*setup.kv)
-    for r in range(reps):
+    for r in range(DEPTH_REPS[kind]):
         for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
-            c = sides[side][0]
+            c, states = sides[side]
             for sh in checked:
                 if sh.prefill and r >= DEPTH_REPS_PREFILL:
                     continue
-                times[side, sh.name].append(_time_steps(eng, c, sides[side][1]["L"], sh, eng.config.fast_iters))
+                t = {d: _time_steps(eng, c, states[d], sh, eng.config.fast_iters) for d in ("L", "k", "0")}
+                est = depth_estimate(t["0"], t["k"], k, L)
+                ratios[side, sh.name].append(t["L"] / est if est > 0 else float("inf"))
     res.config["depth_check"] = {}  # shape -> side -> measured / extrapolated full-depth time
     for sh in checked:
-        ratio = {s: statistics.median(times[s, sh.name]) / med[s][sh.name] if med[s][sh.name] > 0
-                 else float("inf") for s in sides}
+        ratio = {s: statistics.median(ratios[s, sh.name]) for s in sides}
         res.config["depth_check"][sh.name] = {s: round(r, 3) for s, r in ratio.items()}
         if ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]:
             res.violations.append(f"{sh.name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
