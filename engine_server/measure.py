@@ -5,8 +5,9 @@ batches at context lengths sampled from the trace (batch 1 and a batch of the tr
 concurrency) and one prefill at the mean prompt length, capped as the full tier caps them,
 KV cache prefilled by the reference from real prompt text. Each decode shape is timed on a
 subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
-time is extrapolated from the two (per-forward work once, per-layer work L times) and
-checked against one timed full-depth step. The prefill runs at full depth (one eager pass),
+time is extrapolated from the two (per-forward work once, per-layer work L times), and a
+depth check times the batch-1 shape at full depth, at the fast layers and at none back to
+back: full depth over its extrapolation must match the reference's. The prefill runs at full depth (one eager pass),
 or with `fast_prefill="layers"` as the decode shapes do (extrapolated, and depth-checked too).
 The shapes are weighted by how many ops of their kind the full tier's schedule holds.
 
