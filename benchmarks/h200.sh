@@ -44,9 +44,11 @@ attn)  # the decode example's attention kernels alone against the reference atte
             --out "$OUT/attn${shrink:+_shrunk}.json" 2>&1 | grep -v '^{' | tee "$OUT/attn${shrink:+_shrunk}.txt"
     done
     ;;
-fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder
+fidelity)  # Spearman of fast vs full tier over the agent's moves, hand-written variants and the ladder;
+    # ALSO_FAST='{"name": {EngineConfig overrides}}' measures the fast tier under those settings too
     python3 benchmarks/fidelity_bench.py --device cuda --full-requests "${FULL_REQUESTS:-8}" --moves 4 \
-        --variants 6 --out "$OUT/fidelity.json" "${ladder[@]}" 2>&1 | tee "$OUT/fidelity.log"
+        --variants 6 ${ALSO_FAST:+--also-fast "$ALSO_FAST"} --out "$OUT/fidelity.json" "${ladder[@]}" \
+        2>&1 | tee "$OUT/fidelity.log"
     ;;
 cycle)  # submit-to-fast-result on the live engine against a restart per experiment; tier costs
     python3 benchmarks/cycle_bench.py --device cuda --n "${N:-5}" --out "$OUT/cycle.json" 2>&1 | tee "$OUT/cycle.log"
