@@ -7,9 +7,10 @@ KV cache prefilled by the reference from real prompt text. Each decode shape is 
 subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
 depth check times the batch-1 shape at full depth, at the fast layers and at none back to
-back: full depth over its extrapolation must match the reference's. The prefill runs at full depth (one eager pass),
-or with `fast_prefill="layers"` as the decode shapes do (extrapolated, and depth-checked too).
-The shapes are weighted by how many ops of their kind the full tier's schedule holds.
+back: full depth over its extrapolation must match the reference's. The prefill runs at
+full depth (one eager pass), or with `fast_prefill="layers"` as the decode shapes do
+(extrapolated, and depth-checked too). The shapes are weighted by how many ops of their
+kind the full tier's schedule holds.
 
 Full tier (`full`): all layers, a replay of the trace: its first requests, lengths capped by
 config, arrivals in trace time, up to max_batch requests decoding together. The schedule
@@ -22,10 +23,10 @@ summation order can flip in a pass that is close but not bitwise).
 Both: rounds alternate which side goes first; warm-up dropped; medians with spread;
 speedup = reference time / candidate time with a paired bootstrap 95% interval; the fast
 tier's rounds stop once that interval is narrow enough (`should_stop`: +-5% after 9 rounds on
-the CPU, +-1% after 5 on CUDA) and its result says where its seconds went (`phases_s`). On CUDA the decode steps replay each forward pass's CUDA graphs and are timed with
-CUDA events. The timed outputs are compared with the reference's on the same inputs: a
-candidate that is fast only while timed (skips layers, returns stale results) is flagged,
-not rewarded.
+the CPU, +-1% after 5 on CUDA) and its result says where its seconds went (`phases_s`). On
+CUDA the decode steps replay each forward pass's CUDA graphs and are timed with CUDA events.
+The timed outputs are compared with the reference's on the same inputs: a candidate that is
+fast only while timed (skips layers, returns stale results) is flagged, not rewarded.
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def test_sequential_stopping_defaults_per_device():
     # CUDA timings are steady: +-1% after at least 5 rounds, 15 at most
     assert (cuda.fast_rounds, cuda.fast_min_rounds, cuda.fast_ci) == (15, 5, 0.01)
     off = EngineConfig(device="cuda", fast_ci=-1.0).resolved()
-    assert off.fast_ci < 0 and measure.should_stop([1.0] * 14, off.fast_min_rounds, off.fast_rounds, off.fast_ci) is None
+    assert off.fast_ci < 0
+    assert measure.should_stop([1.0] * 14, off.fast_min_rounds, off.fast_rounds, off.fast_ci) is None
 
 
 def test_fast_tier_says_where_its_seconds_go(llama_engine):
@@ -169,7 +170,8 @@ def test_fast_tier_says_where_its_seconds_go(llama_engine):
     assert ph["total"] + ph["guards"] <= fm.seconds + 1e-3, (ph, fm.seconds)
 
 
-PREFILL_PADDER = """  # tests/cheaters/depth_padder.py, for the prefill only
+# tests/cheaters/depth_padder.py, padding the prefill only
+PREFILL_PADDER = """
 import dataclasses
 
 from engine_server.models import llama as ref
