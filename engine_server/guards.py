@@ -11,13 +11,15 @@ What is caught, and where (tests/cheaters/ holds one candidate of each kind):
 - K/V written outside the batch's cells: the whole cache compared with the reference's
   after the same steps (`exact.py`);
 - work left unsynchronised on a side stream or thread: `settled()` reads the output in
-  stream order as `forward` returns and again after a full device sync and a pause;
+  stream order as `forward` returns and again after a full device sync and after joining
+  the threads the call started;
 - patching the engine (timers, checks, torch entry points): `ProcessGuard` snapshots them at
   start and restores and reports any that changed.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -52,18 +54,24 @@ class WeightGuard:
         return out
 
 
-def settled(run: Callable[[], torch.Tensor], pause_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
+def settled(run: Callable[[], torch.Tensor], wait_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
     """Run a forward pass and check its output is final when it returns.
 
     The first copy is taken in stream order right after the call (what a caller that trusts
-    the stream sees); the second after synchronising the device and a pause, so work left
-    running on another stream or thread has landed. They must be equal.
+    the stream sees); the second after synchronising the device (every stream) and joining
+    the threads the call started (up to wait_s in all), so work left running on another
+    stream or thread has landed. They must be equal. Work handed to a thread that existed
+    before the call is not waited for: it shows as a first copy that differs from the
+    reference's output (the callers compare the two).
     """
+    before = set(threading.enumerate())
     out = run()
     first = out.detach().clone()  # ordered on the current stream
     if out.is_cuda:
         torch.cuda.synchronize()
-    time.sleep(pause_s)
+    until = time.perf_counter() + wait_s
+    for t in set(threading.enumerate()) - before:
+        t.join(max(0.0, until - time.perf_counter()))
     if out.is_cuda:
         torch.cuda.synchronize()
     if not torch.equal(first, out) and not (first.isnan().any() and torch.equal(first.isnan(), out.isnan())):

@@ -6,8 +6,9 @@ concurrency) and one prefill at the mean prompt length, capped as the full tier 
 KV cache prefilled by the reference from real prompt text. Each decode shape is timed on a
 subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
-depth check times the batch-1 shape at full depth, at the fast layers and at none back to
-back: full depth over its extrapolation must match the reference's. The prefill runs at
+depth check times the batch-1 shape at full depth too, in the first timed rounds, just
+before its fast-layer and no-layer timings: full depth over its extrapolation must match
+the reference's. The prefill runs at
 full depth (one eager pass), or with `fast_prefill="layers"` as the decode shapes do
 (extrapolated, and depth-checked too). The shapes are weighted by how many ops of their
 kind the full tier's schedule holds.
@@ -44,11 +45,11 @@ from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
 # a full-depth step may take this much more than extrapolated, relative to the reference's,
-# judged on this many interleaved repetitions a side, each timing full depth, the fast layers
-# and none back to back (CPU: copies of the reference measured at 0.93-1.07 of its ratio, the
-# depth padder in tests/cheaters at 2.2-2.4 on decode and 2.9-3.5 on prefill)
+# judged on the first this many timed rounds, each timing full depth, the fast layers and
+# none back to back (CPU, 5 rounds decode and 3 prefill: copies of the reference measured at
+# 0.75-1.24 of its ratio over 12 calls, the depth padder in tests/cheaters at 2.3-3.6)
 DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
-DEPTH_REPS = {"cuda": 5, "cpu": 9}
+DEPTH_REPS = {"cuda": 5, "cpu": 5}
 # an extrapolated prefill is checked on fewer: one eager full-depth pass costs as much as a
 # round's decode steps, and padding that pays (the prefill padder in tests/test_engine.py:
 # 3.3-3.5x against the reference's 1.0-1.1x on the CPU) is far outside the slack
@@ -268,11 +269,11 @@ def depth_estimate(t0: float, tk: float, k: int, layers: int) -> float:
     return t0 + max(0.0, tk - t0) * layers / k
 
 
-def run_step(eng, cand, state, batch: Batch, pause_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
+def run_step(eng, cand, state, batch: Batch) -> tuple[torch.Tensor, list[str]]:
     """One forward pass through the same path timing uses (graph if captured), settled."""
     if eng.cuda and cand.graphs is not None:
-        return call(settled, lambda: cand.graphs.run(state, batch), pause_s)
-    return call(settled, lambda: cand.forward(state, batch), pause_s)
+        return call(settled, lambda: cand.graphs.run(state, batch))
+    return call(settled, lambda: cand.forward(state, batch))
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[str, float]:
@@ -300,12 +301,18 @@ def fast(eng, cand) -> MeasureResult:
     # at full depth ("L"), or as the decode shapes with fast_prefill="layers"
     depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
     plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(cfg, sh) else ("k", "0"))]
+    # the depth check's shapes: the first decode shape, and the prefill when it is extrapolated;
+    # their full depth is timed in the same rounds, just before their "k" and "0" timings
+    checked = _depth_checked(eng, setup)
+    reps = {sh.name: DEPTH_REPS_PREFILL if sh.prefill else DEPTH_REPS["cuda" if eng.cuda else "cpu"]
+            for sh in checked}  # timed rounds that time full depth too (fewer if the rounds stop first)
     sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
              for side, c in (("ref", ref), ("cand", cand))}
     eng.state.load_cache(*setup.kv)
-    raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
+    raw = {s: {(d, sh.name): [] for d, sh in plan + [("L", sh) for sh in checked]} for s in sides}
     # where the call's seconds go, for whoever wants the tier cheaper (result config "phases_s")
-    phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0}
+    phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0,
+              "depth_check": 0.0}
 
     def estimate(s: str, sh: Shape, i: int) -> float:
         """Round i's full-depth estimate of one shape on side s."""
@@ -318,16 +325,20 @@ def fast(eng, cand) -> MeasureResult:
     r = 0
     while stopped is None:
         order = ("ref", "cand") if r % 2 == 0 else ("cand", "ref")
+        i = r - cfg.warmup_rounds  # < 0: a warm-up round, its timings dropped
         for side in order:
             c, states = sides[side]
             for d, sh in plan:
+                if d == "k" and 0 <= i < reps.get(sh.name, 0):
+                    t0 = time.perf_counter()
+                    raw[side]["L", sh.name].append(_time_steps(eng, c, states["L"], sh, cfg.fast_iters))
+                    phases["depth_check"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 t = _time_steps(eng, c, states[d], sh, cfg.fast_iters)
                 phases["rounds_prefill" if sh.prefill else "rounds_decode"] += time.perf_counter() - t0
-                if r >= cfg.warmup_rounds:
+                if i >= 0:
                     raw[side][d, sh.name].append(t)
-        if r >= cfg.warmup_rounds:
-            i = r - cfg.warmup_rounds
+        if i >= 0:
             a, b = (sum(sh.weight * estimate(s, sh, i) for sh in setup.shapes) for s in ("ref", "cand"))
             ratios.append(a / b if b > 0 else float("inf"))
             stopped = should_stop(ratios, cfg.fast_min_rounds, cfg.fast_rounds, cfg.fast_ci)
@@ -356,17 +367,15 @@ def fast(eng, cand) -> MeasureResult:
                                       spread_ms=iqr(est["cand"][sh.name]) * 1e3, weight=round(sh.weight, 3),
                                       tokens_per_s=(sh.size if not sh.prefill else sh.batch.seq_len) / mc
                                       if mc > 0 else 0.0))
-    # the timed outputs, against the reference's from the same cache; the candidate's first run
-    # waits for stray threads and streams to land (guards.settled), the rest need not, nor
-    # does the reference (the engine's own code)
+    # the timed outputs, against the reference's from the same cache, each settled (guards.settled:
+    # stray streams and threads must have landed when forward returns)
     t0 = time.perf_counter()
     worst = "bitwise"
-    for i, (d, sh) in enumerate(plan):
+    for d, sh in plan:
         outs = {}
         for side in ("cand", "ref"):
             eng.state.load_cache(*setup.kv)
-            pause = 0.05 if i == 0 and side == "cand" else 0.0
-            out, viol = run_step(eng, sides[side][0], sides[side][1][d], sh.batch, pause_s=pause)
+            out, viol = run_step(eng, sides[side][0], sides[side][1][d], sh.batch)
             res.violations += viol
             outs[side] = out
         verdict, diff = compare(outs["ref"], outs["cand"])
@@ -377,9 +386,7 @@ def fast(eng, cand) -> MeasureResult:
         worst = max(worst, verdict, key=("bitwise", "close", "differ").index)
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _depth_check(eng, res, setup, sides)
-    phases["depth_check"] = time.perf_counter() - t0
+    _depth_check(eng, res, checked, raw)
     _plausibility(eng, res, setup)
     res.valid = not res.violations
     eng.state.load_cache(*setup.kv)
@@ -393,34 +400,32 @@ def _full_depth(cfg, sh: Shape) -> bool:
     return sh.prefill and cfg.fast_prefill == "full"
 
 
-def _depth_check(eng, res: MeasureResult, setup: FastSetup, sides: dict) -> None:
-    """The extrapolation holds only if time grows with the layers run: a pass that pads its
-    no-layer step (or slows down at full depth) would look faster than it is. For one
-    batch-1 decode shape, and the prefill when it was extrapolated too, each repetition times
-    a side at full depth, at the fast layers and at none, back to back, and takes full-depth
-    time over its extrapolation; the sides alternate, and the candidate's median ratio must
-    stay within the slack of the reference's (wider on the CPU, whose timings are noisier).
-    Timed together, the three share the machine's state of the moment, which the rounds,
-    timed seconds before, do not."""
+def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
+    """The shapes whose extrapolation the depth check tests: the first decode shape, and the
+    prefill when it is extrapolated too."""
     checked = [next(s for s in setup.shapes if not s.prefill)]
-    checked += [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
+    return checked + [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
+
+
+def _depth_check(eng, res: MeasureResult, checked: list[Shape], raw: dict) -> None:
+    """The extrapolation holds only if time grows with the layers run: a pass that pads its
+    no-layer step (or slows down at full depth) would look faster than it is. In the first
+    DEPTH_REPS timed rounds (DEPTH_REPS_PREFILL for the prefill) each side's checked shapes
+    were timed at full depth, at the fast layers and at none, back to back; each such round
+    gives full-depth time over its extrapolation, and the candidate's median ratio must stay
+    within the slack of the reference's (wider on the CPU, whose timings are noisier). Timed
+    together, the three share the machine's state of the moment."""
     kind = "cuda" if eng.cuda else "cpu"
     L, k = len(eng.state.layers), len(eng.fast_layers)
-    ratios = {(side, sh.name): [] for side in sides for sh in checked}
-    eng.state.load_cache(*setup.kv)
-    for r in range(DEPTH_REPS[kind]):
-        for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
-            c, states = sides[side]
-            for sh in checked:
-                if sh.prefill and r >= DEPTH_REPS_PREFILL:
-                    continue
-                t = {d: _time_steps(eng, c, states[d], sh, eng.config.fast_iters) for d in ("L", "k", "0")}
-                est = depth_estimate(t["0"], t["k"], k, L)
-                ratios[side, sh.name].append(t["L"] / est if est > 0 else float("inf"))
     res.config["depth_check"] = {}  # shape -> side -> measured / extrapolated full-depth time
     for sh in checked:
-        ratio = {s: statistics.median(ratios[s, sh.name]) for s in sides}
+        ratio = {}
+        for s, timings in raw.items():
+            full = timings["L", sh.name]
+            est = [depth_estimate(t0, tk, k, L) for t0, tk in zip(timings["0", sh.name], timings["k", sh.name])]
+            ratio[s] = statistics.median(t / e if e > 0 else float("inf") for t, e in zip(full, est))
         res.config["depth_check"][sh.name] = {s: round(r, 3) for s, r in ratio.items()}
+        res.config["depth_check"][sh.name]["repetitions"] = len(raw["cand"]["L", sh.name])
         if ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]:
             res.violations.append(f"{sh.name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
                                   f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
