@@ -186,7 +186,7 @@ def forward(state, batch):
 
 def test_fast_prefill_layers_extrapolates_and_depth_checks_the_prefill(llama_engine):
     cfg = llama_engine.config
-    assert cfg.fast_prefill == "layers"  # the CPU default
+    assert cfg.fast_prefill == "layers"  # the default
     copy = llama_engine.submit_forward_pass(reference_source(llama_engine))
     pad = llama_engine.submit_forward_pass(PREFILL_PADDER)
     assert copy.ok and pad.ok
@@ -206,7 +206,7 @@ def test_fast_prefill_layers_extrapolates_and_depth_checks_the_prefill(llama_eng
         assert fm.config["prefill"] == "full"
     finally:
         cfg.fast_prefill = "layers"
-    assert EngineConfig(device="cuda").resolved().fast_prefill == "full"  # until measured on a GPU
+    assert EngineConfig(device="cuda").resolved().fast_prefill == "layers"
     with pytest.raises(ConfigError, match="fast_prefill"):
         EngineConfig(fast_prefill="half").resolved()
 
