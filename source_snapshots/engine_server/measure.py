@@ -54,9 +54,6 @@ DEPTH_REPS = {"cuda": 5, "cpu": 5}
 # round's decode steps, and padding that pays (the prefill padder in tests/test_engine.py:
 # 3.3-3.5x against the reference's 1.0-1.1x on the CPU) is far outside the slack
 DEPTH_REPS_PREFILL = 3
-# decode steps in each full-depth timing (at most fast_iters): the ratio is per step, and a
-# full-depth step costs L / k times a fast-layer one (CUDA runs 10 steps per timing otherwise)
-DEPTH_ITERS = 3
 # full tier: a greedy token that differs from the reference's is a near tie (not a violation)
 # when the reference itself ranks it among its top NEAR_TIE_K within NEAR_TIE_REL of its
 # top logit: what rounding in another summation order can flip (tolerance-gated passes)
@@ -334,8 +331,7 @@ def fast(eng, cand) -> MeasureResult:
             for d, sh in plan:
                 if d == "k" and 0 <= i < reps.get(sh.name, 0):
                     t0 = time.perf_counter()
-                    raw[side]["L", sh.name].append(_time_steps(eng, c, states["L"], sh,
-                                                               min(cfg.fast_iters, DEPTH_ITERS)))
+                    raw[side]["L", sh.name].append(_time_steps(eng, c, states["L"], sh, cfg.fast_iters))
                     phases["depth_check"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 t = _time_steps(eng, c, states[d], sh, cfg.fast_iters)
