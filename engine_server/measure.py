@@ -8,10 +8,9 @@ subset of the layers (engine.fast_layers, about a fifth) and on no layers; its f
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
 depth check times the batch-1 shape at full depth too, in the first timed rounds, just
 before its fast-layer and no-layer timings: full depth over its extrapolation must match
-the reference's. The prefill runs at
-full depth (one eager pass), or with `fast_prefill="layers"` as the decode shapes do
-(extrapolated, and depth-checked too). The shapes are weighted by how many ops of their
-kind the full tier's schedule holds.
+the reference's. The prefill is extrapolated and depth-checked as the decode shapes are
+(`fast_prefill="layers"`, the default), or timed at full depth (one eager pass, "full").
+The shapes are weighted by how many ops of their kind the full tier's schedule holds.
 
 Full tier (`full`): all layers, a replay of the trace: its first requests, lengths capped by
 config, arrivals in trace time, up to max_batch requests decoding together. The schedule
@@ -297,8 +296,8 @@ def fast(eng, cand) -> MeasureResult:
         setup.weigh(eng.replay_schedule)
     ref = eng.candidates["reference"]
     L, k = len(eng.state.layers), len(eng.fast_layers)
-    # decode shapes run at the fast layers ("k") and at none ("0"); the prefill (one eager pass)
-    # at full depth ("L"), or as the decode shapes with fast_prefill="layers"
+    # shapes run at the fast layers ("k") and at none ("0"); with fast_prefill="full" the
+    # prefill (one eager pass) at full depth ("L") instead
     depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
     plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(cfg, sh) else ("k", "0"))]
     # the depth check's shapes: the first decode shape, and the prefill when it is extrapolated;
@@ -386,7 +385,7 @@ def fast(eng, cand) -> MeasureResult:
         worst = max(worst, verdict, key=("bitwise", "close", "differ").index)
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
-    _depth_check(eng, res, checked, raw)
+    _depth_check(eng, res, checked, raw, est)
     _plausibility(eng, res, setup)
     res.valid = not res.violations
     eng.state.load_cache(*setup.kv)
@@ -407,23 +406,22 @@ def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
     return checked + [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
 
 
-def _depth_check(eng, res: MeasureResult, checked: list[Shape], raw: dict) -> None:
+def _depth_check(eng, res: MeasureResult, checked: list[Shape], raw: dict, est: dict) -> None:
     """The extrapolation holds only if time grows with the layers run: a pass that pads its
     no-layer step (or slows down at full depth) would look faster than it is. In the first
     DEPTH_REPS timed rounds (DEPTH_REPS_PREFILL for the prefill) each side's checked shapes
     were timed at full depth, at the fast layers and at none, back to back; each such round
     gives full-depth time over its extrapolation, and the candidate's median ratio must stay
     within the slack of the reference's (wider on the CPU, whose timings are noisier). Timed
-    together, the three share the machine's state of the moment."""
+    together, the three share the machine's state of the moment. raw: each side's timings by
+    (depth, shape); est: each side's per-round full-depth estimates by shape."""
     kind = "cuda" if eng.cuda else "cpu"
-    L, k = len(eng.state.layers), len(eng.fast_layers)
     res.config["depth_check"] = {}  # shape -> side -> measured / extrapolated full-depth time
     for sh in checked:
         ratio = {}
         for s, timings in raw.items():
-            full = timings["L", sh.name]
-            est = [depth_estimate(t0, tk, k, L) for t0, tk in zip(timings["0", sh.name], timings["k", sh.name])]
-            ratio[s] = statistics.median(t / e if e > 0 else float("inf") for t, e in zip(full, est))
+            pairs = zip(timings["L", sh.name], est[s][sh.name])  # the first rounds: those that timed L
+            ratio[s] = statistics.median(t / e if e > 0 else float("inf") for t, e in pairs)
         res.config["depth_check"][sh.name] = {s: round(r, 3) for s, r in ratio.items()}
         res.config["depth_check"][sh.name]["repetitions"] = len(raw["cand"]["L", sh.name])
         if ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]:
