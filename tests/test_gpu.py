@@ -16,7 +16,7 @@ def cuda_engine():
 def test_reference_copy_is_exact_under_graphs(cuda_engine):
     from engine_server.selfcheck import perturbed_source, reference_source
     r = cuda_engine.submit_forward_pass(reference_source(cuda_engine))
-    assert r.ok and r.graphs, r
+    assert r.ok and r.graphs, (r.error, r.notes)
     ex = cuda_engine.check_bit_exact(r.candidate_id)
     assert ex.exact, ex
     fm = cuda_engine.measure_fast(r.candidate_id)
@@ -99,7 +99,7 @@ def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
     from conftest import ROOT
     src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
     r = cuda_engine.submit_forward_pass(src, name="triton-decode")
-    assert r.ok and r.graphs, r
+    assert r.ok and r.graphs, (r.error, r.notes)
     assert not cuda_engine.check_bit_exact(r.candidate_id).exact
     tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
     assert tol.close and tol.tokens_equal and 0 < tol.tolerance_used <= 1.0, tol
@@ -123,7 +123,7 @@ def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
     ids = []
     for s, name in ((off, "pdl-off"), (on, "pdl-on")):
         r = cuda_engine.submit_forward_pass(s, name=name)
-        assert r.ok and r.graphs, r
+        assert r.ok and r.graphs, (r.error, r.notes)
         ids.append(r.candidate_id)
     b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
                      torch.tensor([0], device="cuda"))
@@ -136,3 +136,39 @@ def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
     tol = [cuda_engine.check_bit_exact(cid, mode="tolerance") for cid in ids]
     assert tol[1].close and tol[1].tokens_equal, tol[1]
     assert tol[1].candidate_error == tol[0].candidate_error
+
+
+def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
+    """The one-kernel-per-layer example (grid barriers between phases) on the shrunk preset:
+    logits close to the reference's on the same inputs, K/V written only where the step
+    owns, the same logits eagerly and from the captured graph, step after step (the barrier
+    counters are fresh each call); batch > 1 runs the reference (bitwise), so the gate's
+    batched steps match and its batch-1 steps are where it differs."""
+    from conftest import ROOT
+    from engine_server.models import llama
+    from engine_server.state import decode_batch
+    src = (ROOT / "examples" / "candidates" / "llama_triton_persistent.py").read_text()
+    r = cuda_engine.submit_forward_pass(src, name="persistent")
+    assert r.ok and r.graphs, (r.error, r.notes)
+    c = cuda_engine.candidates[r.candidate_id]
+    st = cuda_engine.candidate_state(c)
+    for pos in (0, 63, 300):
+        b = decode_batch(torch.tensor([7], device="cuda"), torch.tensor([pos], device="cuda"),
+                         torch.tensor([1], device="cuda"))
+        assert c.module._supported(st, b)
+        before = [k.clone() for k in st.k_cache]
+        eager = c.forward(st, b).clone()
+        for layer, (k0, k1) in enumerate(zip(before, st.k_cache)):
+            changed = (k0 != k1).any(dim=-1).nonzero().tolist()  # [slot, head, pos] cells
+            assert all(cell[0] == 1 and cell[2] == pos for cell in changed), (layer, changed[:4])
+        assert torch.equal(eager, c.graphs.run(st, b).clone()) and torch.isfinite(eager).all()
+        assert torch.equal(eager, c.forward(st, b))
+        want = llama.forward(st, b).float()
+        err = (eager.float() - want).abs().max().item()
+        assert err <= 0.02 * want.abs().max().item(), (pos, err)
+    b2 = decode_batch(torch.tensor([7, 9], device="cuda"), torch.tensor([40, 300], device="cuda"),
+                      torch.tensor([1, 2], device="cuda"))
+    assert not c.module._supported(st, b2)
+    assert torch.equal(c.forward(st, b2), llama.forward(st, b2))
+    ex = cuda_engine.check_bit_exact(r.candidate_id)
+    assert not ex.exact and ex.first_mismatch.phase == "decode B=1", ex
