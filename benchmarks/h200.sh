@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|tests
+#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -65,6 +65,9 @@ greedy)  # the greedy sampler inside a captured step: torch.argmax against engin
     ;;
 engine)
     python3 benchmarks/engine_bench.py --device cuda --repeats 3 --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
+    ;;
+barrier)  # the cost of one grid barrier of the persistent example
+    python3 benchmarks/barrier_bench.py --out "$OUT/barrier.json" 2>&1 | tee "$OUT/barrier.txt"
     ;;
 tests)
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
