@@ -163,7 +163,8 @@ def test_reference_is_exact_and_a_perturbed_copy_is_not(engine, tmp_path):
             fast = await call(s, "measure_fast", candidate_id=cid)
             assert fast["ok"] and fast["valid"] and fast["outputs_match"] == "bitwise", fast["error"]
             lo, hi = fast["speedup_ci95"]
-            assert 0.8 < lo <= fast["speedup"] <= hi < 1.25, fast  # the same code: no speedup
+            # the same code: no speedup (its interval holds 1, or a host's noise moved it by little)
+            assert lo <= fast["speedup"] <= hi and (lo <= 1.0 <= hi or abs(fast["speedup"] - 1) < 0.1), fast
             full = await call(s, "measure_full", candidate_id=cid)
             assert full["ok"] and full["tier"] == "full" and full["tokens_match"] == 1.0, full["error"]
 
