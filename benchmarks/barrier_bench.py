@@ -1,6 +1,6 @@
 """What one grid barrier of examples/candidates/llama_triton_persistent.py costs on the GPU.
 
-    python benchmarks/barrier_bench.py [--out F]
+    python benchmarks/barrier_bench.py [--candidate FILE] [--out F]
 
 One program per SM (all resident, as the example launches them) passes 40 of the example's
 own `_barrier`s in a row, in a CUDA graph with the counters' zero fill, replayed 50 times
@@ -25,10 +25,15 @@ import triton.language as tl  # noqa: E402
 from benchmarks.common import emit  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("persistent", ROOT / "examples/candidates/llama_triton_persistent.py")
-example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(example)
 BARRIERS = 40
+example = None  # the candidate module whose `_barrier` is timed (--candidate)
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location("persistent", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @triton.jit
@@ -70,8 +75,12 @@ def step_us(nb: int, nprog: int, warps: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--candidate", default=str(ROOT / "examples/candidates/llama_triton_persistent.py"),
+                   help="a file defining the Triton function _barrier(bar_ptr, NPROG, SPIN_LIMIT)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    global example
+    example = load(Path(a.candidate))
     nprog = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for warps in (16, 8):
@@ -82,7 +91,8 @@ def main() -> int:
     print(f"grid barrier of the persistent example, {nprog} programs, {hw.device_name}")
     for r in rows:
         print(f"  {r['warps']:>2} warps: {r['us_per_barrier']:.3f} us a barrier")
-    return emit({"bench": "barrier", "barriers": BARRIERS, "results": rows, "hardware": hw.model_dump()}, a.out)
+    return emit({"bench": "barrier", "candidate": a.candidate, "barriers": BARRIERS, "results": rows,
+                 "hardware": hw.model_dump()}, a.out)
 
 
 if __name__ == "__main__":
