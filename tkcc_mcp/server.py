@@ -296,8 +296,8 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         """Compare a candidate's outputs with the reference's: the gate every candidate must pass.
 
         Both sides run from cloned identical state (unused KV cells filled with large noise,
-        so out-of-bounds reads show) through a prefill and several greedy decode steps, on
-        all layers and on the fast tier's subset. Bitwise means torch.equal on the logits,
+        so out-of-bounds reads show) through a prefill and several greedy decode steps (all
+        rows together, then the first row alone), on all layers and on the fast tier's subset. Bitwise means torch.equal on the logits,
         the greedy tokens and the KV cache. Seconds. Returns `exact`; when false,
         `first_mismatch` (phase, step, row, vocab index, both values), `max_abs_diff`,
         `tokens_equal`, `kv_equal`, `token_divergence` (where the greedy tokens first differ,
