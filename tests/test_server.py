@@ -92,7 +92,7 @@ def test_hang_past_the_deadline_restarts_the_worker(engine):
     assert time.time() - t < 60
     # the next call works, and the candidate from before the restart is reinstalled from the ledger
     m = c.call("measure_fast", candidate_id=good["candidate_id"])
-    assert m["ok"] and m["valid"]
+    assert m["ok"] and m["valid"], m["violations"]
     assert c.call("info")["restarts"] == 1
     led = Ledger(home / "ledger.db")
     assert [e["kind"] for e in led.events()].count("worker_restart") == 1
