@@ -5,8 +5,8 @@ noise, so a read of a cell the batch does not own shows up. Inputs are traffic-s
 `exact_rows` real prompts with lengths sampled from the trace, each prefilled alone, then
 `exact_steps` greedy decode steps of all rows together, then SOLO_STEPS more of the first
 row alone (batch-1 decode is a shape the tiers time, and a pass may special-case it); all
-through the CUDA graphs when captured: the path that is timed is the path that is checked. The candidate runs first,
-so it cannot read the reference's answer for the same inputs.
+through the CUDA graphs when captured: the path that is timed is the path that is checked.
+The candidate runs first, so it cannot read the reference's answer for the same inputs.
 
 Compared with `torch.equal`: the logits of every prefill and decode step, the greedy token
 streams, and the whole KV cache afterwards (K/V written outside the batch's cells, or
