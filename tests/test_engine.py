@@ -130,6 +130,37 @@ def test_sequential_stopping_never_stops_below_the_minimum():
     assert rounds_run(same, 30, 21, 0.05) == (21, "max_rounds")  # the cap wins over a larger minimum
 
 
+def _depth_judged(monkeypatch, first: float, again: float):
+    """The depth check's verdict on one decode shape whose first 5 rounds gave the candidate
+    `first` times the reference's ratio (1.0), and whose recheck rounds give it `again`."""
+    sh = measure.Shape("decode B=1 ctx=8", batch=None, contexts=[8])
+    raw = {s: {("L", sh.name): [1.0] * 5} for s in ("ref", "cand")}
+    est = {"ref": {sh.name: [1.0] * 5}, "cand": {sh.name: [1.0 / first] * 5}}
+    asked = []
+
+    def retimed(eng, sides, shape, rounds):
+        asked.append((shape.name, rounds))
+        return {"ref": [1.0] * rounds, "cand": [again] * rounds}
+    monkeypatch.setattr(measure, "_depth_ratios", retimed)
+    res = measure.MeasureResult(candidate_id="c", tier="fast", ok=True)
+    measure._depth_check(type("Eng", (), {"cuda": False})(), res, [sh], raw, est, sides={})
+    return res, asked
+
+
+def test_depth_check_rechecks_a_failed_shape_before_it_flags_it(monkeypatch):
+    # within the slack: judged on the first rounds, nothing timed again
+    res, asked = _depth_judged(monkeypatch, first=1.2, again=9.0)
+    assert not res.violations and not asked and res.config["depth_check"]["decode B=1 ctx=8"]["rechecked"] is False
+    # a noisy first look (outside the slack) that the recheck does not confirm: no violation
+    res, asked = _depth_judged(monkeypatch, first=2.0, again=1.0)
+    assert asked == [("decode B=1 ctx=8", 5)] and not res.violations, res.violations
+    check = res.config["depth_check"]["decode B=1 ctx=8"]
+    assert check["rechecked"] is True and check["repetitions"] == 10 and check["cand"] == 1.0, check
+    # padding shows in every round: the recheck confirms it
+    res, asked = _depth_judged(monkeypatch, first=3.0, again=3.0)
+    assert asked and any("grow with the layers" in v for v in res.violations), res.violations
+
+
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
     r = llama_engine.submit_forward_pass(reference_source(llama_engine))
     cfg = llama_engine.config
