@@ -283,3 +283,20 @@ def test_selfcheck_cli_prints_json_last(capsys):
     report = json.loads(last)
     assert report["model_type"] == "gpt2" and report["exact_reference"] and not report["exact_perturbed"]
     assert isinstance(report["speedup_fast"], float)
+
+
+def test_depth_check_bench_reports_each_setting(tmp_path):
+    """benchmarks/depth_check_bench.py: a row per setting, the padders it runs all caught."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/depth_check_bench.py", "--shrink", "--device", "cpu",
+                          "--n", "2", "--reps", "3,2", "1,1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(s["decode_rounds"], s["prefill_rounds"]) for s in res["settings"]] == [(3, 2), (1, 1)]
+    for s in res["settings"]:
+        assert len(s["copies_relative"]) == 2 and s["padders"] == 1, s
+        assert s["padders_caught"] == 1 and min(s["padders_relative"]) > res["slack"], s
+        assert 0 < s["depth_check_s_p50"] < s["fast_s_p50"], s
