@@ -47,7 +47,7 @@ BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plau
 # judged on the first this many timed rounds, each timing full depth, the fast layers and
 # none back to back, then on as many again if it failed (CPU: 3 decode rounds give the
 # verdicts 5 gave, reference copies passing and the depth padder of tests/cheaters far outside,
-# for 20-30 ms less a call: benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2
+# for up to 30 ms less a call: benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2
 # rounds judged their mean, which one preempted timing on a loaded host swung both ways)
 DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
 DEPTH_REPS = {"cuda": 5, "cpu": 3}
