@@ -41,6 +41,15 @@ def state_dir(path: str | Path | None = None) -> Path:
     return d
 
 
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write a state file whole or not at all: readers poll engine.json, ready files and
+    records while they are written, and must never see one empty or cut short."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def read_token(path: str | Path) -> str:
     return Path(path).read_text().strip()
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from engine_server import snapshot
-from engine_server.client import state_dir
+from engine_server.client import state_dir, write_atomic
 from engine_server.config import EngineConfig
 from engine_server.ledger import Ledger
 from engine_server.log import get_logger
@@ -401,9 +401,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, home: st
     info = {"url": url, "pid": os.getpid(), "token_file": str(home / "engine.token"), "model": config.model,
             "shrink": config.shrink, "device": config.device, "ledger": str(sup.ledger.path),
             "started": time.time()}
-    (home / "engine.json").write_text(json.dumps(info, indent=2))
-    if ready_file:
-        Path(ready_file).write_text(json.dumps(info))
+    write_atomic(home / "engine.json", json.dumps(info, indent=2))
+    if ready_file:  # the launcher reads it as soon as it exists
+        write_atomic(ready_file, json.dumps(info))
     print(f"tkcc engine on {url} (model {config.model}, device {config.device}); token in {info['token_file']}",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(make_app(sup, token), log_level="warning", lifespan="off"))

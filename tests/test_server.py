@@ -150,3 +150,38 @@ def test_ledger_cli(engine):
     csv_out = subprocess.run([sys.executable, "-m", "tkcc_mcp.cli", "ledger", "export", "--format", "csv",
                               "--table", "candidates"], env=env, capture_output=True, text=True, check=True).stdout
     assert csv_out.splitlines()[0].startswith("id,")
+
+
+def _torn_reads(write, path, n: int = 1500) -> int:
+    """How many of a poller's reads of `path` saw it cut short while `write` rewrote it n times."""
+    import threading
+    body = json.dumps({"url": "http://127.0.0.1:1", "pad": "x" * 20000})
+    write(path, body)
+    done, torn = threading.Event(), [0]
+
+    def poll():
+        while not done.is_set():
+            try:
+                json.loads(path.read_text())
+            except ValueError:
+                torn[0] += 1
+    t = threading.Thread(target=poll)
+    t.start()
+    for _ in range(n):
+        write(path, body)
+    done.set()
+    t.join()
+    return torn[0]
+
+
+def test_state_files_are_never_seen_half_written(tmp_path):
+    """The launcher polls the ready file and clients poll engine.json while the server writes
+    them: a reader sees the whole JSON or the one before, never an empty or cut file (a plain
+    write_text was read empty by a launcher on a loaded host)."""
+    from pathlib import Path
+
+    from engine_server.client import write_atomic
+    assert _torn_reads(write_atomic, tmp_path / "engine.json") == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["engine.json"]  # no temporary left behind
+    # the race is real: the same poller catches plain writes mid-way
+    assert _torn_reads(lambda p, s: Path(p).write_text(s), tmp_path / "plain.json") > 0

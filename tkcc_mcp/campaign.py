@@ -41,6 +41,7 @@ from pathlib import Path
 
 import anyio
 
+from engine_server.client import write_atomic
 from tkcc_mcp import report
 from tkcc_mcp.agents.mcp_session import EngineRef
 from tkcc_mcp.agents.record import AgentRecord
@@ -125,9 +126,7 @@ class State:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.d, indent=1, default=str))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.d, indent=1, default=str))
 
 
 # ---- engines --------------------------------------------------------------------------------

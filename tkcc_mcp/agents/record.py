@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine_server.client import write_atomic
+
 TOKEN_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
@@ -81,9 +83,7 @@ class AgentRecord:
     def save(self) -> None:
         if not self.workdir:
             return
-        tmp = self.dir / "record.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1, default=str))
-        os.replace(tmp, self.dir / "record.json")
+        write_atomic(self.dir / "record.json", json.dumps(asdict(self), indent=1, default=str))
 
     # ---- events ------------------------------------------------------------------------
     def tool_call(self, name: str, ok: bool, seconds: float, error: str | None = None) -> None:
