@@ -161,6 +161,38 @@ def test_depth_check_rechecks_a_failed_shape_before_it_flags_it(monkeypatch):
     assert asked and any("grow with the layers" in v for v in res.violations), res.violations
 
 
+# a correct pass whose first full-depth batch-1 decode steps are slow (as a noisy spell of the
+# machine would make them); `armed` is set by the test
+FIRST_LOOK_SLOW = """
+from engine_server.models import llama as ref
+
+armed = [0]  # full-depth batch-1 decode steps still to slow down
+
+
+def forward(state, batch):
+    repeat = 1
+    if armed[0] > 0 and len(state.layers) == state.config.num_layers and batch.size == 1 and batch.seq_len == 1:
+        armed[0] -= 1
+        repeat = 4
+    for _ in range(repeat):
+        out = ref.forward(state, batch)
+    return out
+"""
+
+
+def test_depth_check_recheck_clears_a_slow_first_look(llama_engine):
+    """The engine's own recheck: the first look's full-depth steps run 4x slow, the recheck's at
+    speed; the pass is valid and says it was rechecked."""
+    r = llama_engine.submit_forward_pass(FIRST_LOOK_SLOW)
+    assert r.ok, r.error
+    armed = llama_engine.candidates[r.candidate_id].module.armed
+    armed[0] = measure.DEPTH_REPS["cpu"] * llama_engine.config.fast_iters  # the first look's steps
+    fm = llama_engine.measure_fast(r.candidate_id)
+    check = fm.config["depth_check"][fm.shapes[0].shape]
+    assert armed[0] == 0 and check["rechecked"] is True, check
+    assert fm.valid, (fm.violations, check)
+
+
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
     r = llama_engine.submit_forward_pass(reference_source(llama_engine))
     cfg = llama_engine.config
