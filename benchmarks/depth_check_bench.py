@@ -3,7 +3,7 @@ rounds that time full depth: copies of the reference (must pass, their full-dept
 close to the reference's) and the depth padder of tests/cheaters (must be flagged),
 interleaved in one engine so every setting sees the same machine.
 
-    python benchmarks/depth_check_bench.py --shrink --device cpu --n 20 --reps 5,3 3,2
+    python benchmarks/depth_check_bench.py --shrink --device cpu --n 30 --reps 5,3 3,3
 
 `--reps D,P`: D rounds for the decode shape, P for an extrapolated prefill (the engine's
 DEPTH_REPS / DEPTH_REPS_PREFILL). Prints a card, then one JSON line.
@@ -33,7 +33,7 @@ def relative(m) -> float:
 def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--n", type=int, default=20, help="reference copies per setting (padders: half as many)")
-    p.add_argument("--reps", nargs="+", default=["5,3", "3,2"], help="decode,prefill rounds per setting")
+    p.add_argument("--reps", nargs="+", default=["5,3", "3,3"], help="decode,prefill rounds per setting")
     a = p.parse_args()
     settings = [tuple(int(x) for x in r.split(",")) for r in a.reps]
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device))

@@ -265,9 +265,9 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         shapes taken from the engine's traffic, reference and candidate alternated A/B in
         the same call, warm-up dropped; full depth is extrapolated from the subset and from
         no layers, and checked against timed full-depth steps (timed again before a pass is
-        flagged: one whose time does not grow with its layers is). Returns `speedup` = reference time / candidate time
-        (above 1 is faster) and `speedup_ci95`, its 95% interval: a gain is real when the
-        whole interval is above 1. Rounds stop early once that interval is narrow enough
+        flagged: one whose time does not grow with its layers is). Returns `speedup` =
+        reference time / candidate time (above 1 is faster) and `speedup_ci95`, its 95%
+        interval: a gain is real when the whole interval is above 1. Rounds stop early once that interval is narrow enough
         (`samples` says how many ran). Also step_ms, tokens_per_s, per-shape timings, and
         `outputs_match`, the timed outputs against the reference's: a candidate that is fast
         only while timed is flagged (`valid` false, `violations`). Speed counts only for a
