@@ -267,11 +267,11 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         no layers, and checked against timed full-depth steps (timed again before a pass is
         flagged: one whose time does not grow with its layers is). Returns `speedup` =
         reference time / candidate time (above 1 is faster) and `speedup_ci95`, its 95%
-        interval: a gain is real when the whole interval is above 1. Rounds stop early once that interval is narrow enough
-        (`samples` says how many ran). Also step_ms, tokens_per_s, per-shape timings, and
-        `outputs_match`, the timed outputs against the reference's: a candidate that is fast
-        only while timed is flagged (`valid` false, `violations`). Speed counts only for a
-        candidate check_bit_exact calls exact.
+        interval: a gain is real when the whole interval is above 1. Rounds stop early once
+        that interval is narrow enough (`samples` says how many ran). Also step_ms,
+        tokens_per_s, per-shape timings, and `outputs_match`, the timed outputs against the
+        reference's: a candidate that is fast only while timed is flagged (`valid` false,
+        `violations`). Speed counts only for a candidate check_bit_exact calls exact.
         """
         return _as(MeasureResult, await _link(ctx).call(ctx, "measure_fast", candidate_id=candidate_id))
 
@@ -299,8 +299,9 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
 
         Both sides run from cloned identical state (unused KV cells filled with large noise,
         so out-of-bounds reads show) through a prefill and several greedy decode steps (all
-        rows together, then the first row alone), on all layers and on the fast tier's subset. Bitwise means torch.equal on the logits,
-        the greedy tokens and the KV cache. Seconds. Returns `exact`; when false,
+        rows together, then the first row alone), on all layers and on the fast tier's
+        subset. Bitwise means torch.equal on the logits, the greedy tokens and the KV cache.
+        Seconds. Returns `exact`; when false,
         `first_mismatch` (phase, step, row, vocab index, both values), `max_abs_diff`,
         `tokens_equal`, `kv_equal`, `token_divergence` (where the greedy tokens first differ,
         with each side's logit gap there and whether it was a near tie) and any
