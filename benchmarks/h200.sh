@@ -27,12 +27,14 @@ forward)  # batch-1 decode: hill-climb the example candidates, against torch.com
         --winners-dir "$OUT/winners" "${ladder[@]}" "${winners[@]}" 2>&1 | tee "$OUT/forward.log"
     python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
     ;;
-variants)  # KNOBS variants of the decode candidate side by side (no climb), and each one's kernel profile
+variants)  # KNOBS variants of a candidate (BASE, default the decode one) side by side (no climb),
+    # and each one's kernel profile
+    base=${BASE:-${ladder[0]}}
     python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
         --variants "${VARIANTS:?set VARIANTS to a JSON object: name -> KNOBS overrides}" \
-        --winners-dir "$OUT/variants" --out "$OUT/variants.json" "${ladder[0]}" 2>&1 | tee "$OUT/variants.log"
-    for f in "${ladder[0]}" "$OUT"/variants/variants/*.py; do  # PROFILE: only these variant names
-        name=$(basename "$f" .py); name=${name#llama_triton_decode-}
+        --winners-dir "$OUT/variants" --out "$OUT/variants.json" "$base" 2>&1 | tee "$OUT/variants.log"
+    for f in "$base" "$OUT"/variants/variants/*.py; do  # PROFILE: only these variant names
+        name=$(basename "$f" .py); name=${name#"$(basename "$base" .py)"-}
         [[ -z "${PROFILE:-}" || " $PROFILE " == *" $name "* ]] || continue
         python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "$f" \
             >"$OUT/profile_$(basename "$f" .py).txt" 2>&1 || true

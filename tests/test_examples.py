@@ -127,6 +127,8 @@ SPLITS = {"NSPLIT": 4, "BLOCK_S": 16}  # ctx 41 -> 3 splits busy, 1 empty
 ONLINE, EXACT = {"EXACT_SOFTMAX": False}, {"EXACT_SOFTMAX": True}
 NOFUSE = {"FUSE_ROPE": False}  # RoPE and the K/V write in _rope_kv_kernel, not in attention
 PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the (PDL) wait
+EARLY = {"EARLY_INPUTS": True}  # position, slot and RoPE rows loaded before the (PDL) wait
+IN_O = {"COMBINE_IN_O": True}  # the splits merged by o_proj's GEMV (B == 1), no combine kernel
 BF16_CASES = [
     {"rows": 1},
     {"rows": 3},
@@ -160,8 +162,15 @@ BF16_CASES = [
     {"rows": 1, "layers": [0], "knobs": {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
                                          "attn": {"NSPLIT": 1, "BLOCK_S": 16, "FUSE_ROPE": True} | ONLINE | PRE_KV}},
     {"rows": 2, "layers": [1, 3], "knobs": {"attn": SPLITS | EXACT | {"FUSE_ROPE": True} | PRE_KV}},
+    # the step's inputs before the wait; the splits merged by o_proj's GEMV as it loads them
+    # (whole K steps, a ragged last split, PRE); with 3 rows the combine kernel merges them
+    {"rows": 1, "layers": [0, 2], "knobs": {"o": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
+                                            "attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | EARLY | IN_O}},
+    {"rows": 1, "layers": [1], "knobs": {"o": {"SPLIT_K": 4, "BLOCK_N": 32, "BLOCK_K": 32, "PRE": 1},
+                                         "attn": SPLITS | ONLINE | NOFUSE | IN_O}},
+    {"rows": 3, "layers": [1, 3], "knobs": {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | EARLY | IN_O}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21)]
 
 
 SCRIPT_HELPERS = r'''
@@ -265,7 +274,10 @@ state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
-            "pdl": {"EARLY_TRIGGER": True}}]
+            "pdl": {"EARLY_TRIGGER": True}},
+           {"o": {"SPLIT_K": 4, "BLOCK_N": 32, "num_warps": 8, "PRE": 1},
+            "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True,
+                     "COMBINE_IN_O": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -299,7 +311,8 @@ for fn, grid, args, kw in launches:
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
-                    preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV")),
+                    preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
+                    merge=bool(consts.get("MERGE_NS")), early=bool(consts.get("EARLY_INPUTS")),
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
@@ -313,7 +326,8 @@ def test_pdl_kernels_compile_for_sm90():
     kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
     and lets the next one launch (after the wait, or before it with EARLY_TRIGGER); GEMVs with
     PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches; GEMVs
-    with PRE and attention with PRELOAD_KV issue loads before the wait."""
+    with PRE and attention with PRELOAD_KV or EARLY_INPUTS issue loads before the wait; with
+    COMBINE_IN_O a batch-1 o_proj GEMV merges the attention splits."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
@@ -330,6 +344,8 @@ def test_pdl_kernels_compile_for_sm90():
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
+    assert any(r["early"] and r["load_before_wait"] for r in res)
+    assert any(r["merge"] for r in res) and all(r["kernel"] == "_gemv_kernel" for r in res if r["merge"])
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

@@ -84,6 +84,7 @@ attention-only -> +norm -> +gemv (see make_ladder.py next to it).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -118,8 +119,11 @@ KNOBS = {
     # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
     # is loaded before the PDL wait, the row of this step's position re-read after it.
+    # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
+    # COMBINE_IN_O (online softmax, B == 1): o_proj's GEMV merges the splits as it loads its
+    # input (no _attn_combine_kernel launch); give "o" a SPLIT_K that leaves it few K steps.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": False, "FUSE_ROPE": True, "num_warps": 4,
-             "num_stages": 4, "PRELOAD_KV": False},
+             "num_stages": 4, "PRELOAD_KV": False, "EARLY_INPUTS": False, "COMBINE_IN_O": False},
     "combine": {"num_warps": 2},
     "norm": {"num_warps": 16},
     "rope": {"num_warps": 2},
@@ -267,12 +271,30 @@ if HAVE_TRITON:
         tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
+    def _merged_x(po_ptr, pm_ptr, pl_ptr, b, offs_k, k_mask, K, like_ptr,
+                  NSPLIT: tl.constexpr, NS_P: tl.constexpr, HD: tl.constexpr):
+        """Columns offs_k of row b of the attention output, merged from the online-softmax
+        partials of its NSPLIT splits as _attn_combine_kernel merges them (po [B, H, NSPLIT, HD],
+        pm / pl [B, H, NSPLIT], H = K / HD), rounded to like_ptr's dtype: [1, BLOCK_K]."""
+        s = tl.arange(0, NS_P)
+        sm = (s < NSPLIT)[:, None] & k_mask[None, :]
+        row = (b * (K // HD) + offs_k // HD)[None, :] * NSPLIT + s[:, None]  # [NS_P, BLOCK_K]
+        acc = tl.load(po_ptr + row * HD + (offs_k % HD)[None, :], mask=sm, other=0.0)
+        m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
+        l = tl.load(pl_ptr + row, mask=sm, other=0.0)
+        mx = tl.max(m, axis=0)
+        wgt = tl.where(sm, tl.exp(m - mx[None, :]), 0.0)
+        out = tl.sum(acc * wgt, axis=0) / tl.sum(l * wgt, axis=0)
+        return _to(tl.where(k_mask, out, 0.0), like_ptr)[None, :]
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
-                     stride_xb, stride_wn, stride_os, stride_ob,
+                     stride_xb, stride_wn, stride_os, stride_ob, pm_ptr, pl_ptr,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr):
+                     PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
+                     MERGE_NS: tl.constexpr, NS_P: tl.constexpr, MERGE_HD: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -288,6 +310,8 @@ if HAVE_TRITON:
         PRE_K > 0 (a power of two, <= K_SPLIT): the program loads its first PRE_K columns of
         weight rows into registers before the wait (with PDL, while the kernel before it
         runs), their products summed apart from the loop's and added at the end.
+        MERGE_NS > 0 (BLOCK_B == 1): x is not a matrix but attention partials (x_ptr = po, with
+        pm_ptr, pl_ptr: see _merged_x), merged over their MERGE_NS splits as they are loaded.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -334,7 +358,10 @@ if HAVE_TRITON:
                 xpm = b_mask[:, None]
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
-            xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            if MERGE_NS > 0:
+                xp = _merged_x(x_ptr, pm_ptr, pl_ptr, pid_b, offs_p, offs_p < K, K, w_ptr, MERGE_NS, NS_P, MERGE_HD)
+            else:
+                xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
@@ -353,7 +380,10 @@ if HAVE_TRITON:
                 k_mask = offs_k < K
                 wm = n_mask[:, None] & k_mask[None, :]
                 xm = b_mask[:, None] & k_mask[None, :]
-            xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
+            if MERGE_NS > 0:
+                xt = _merged_x(x_ptr, pm_ptr, pl_ptr, pid_b, offs_k, offs_k < K, K, w_ptr, MERGE_NS, NS_P, MERGE_HD)
+            else:
+                xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
             wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
             if SILU:
                 wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
@@ -452,11 +482,12 @@ if HAVE_TRITON:
         tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
 
     @triton.jit
-    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, cos_row, sin_row, like_ptr,
+    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, c, sn, like_ptr,
                     N: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
         """Heads `heads` ([N] indices, rows masked by hm) of one row of qkv partials (NP of them,
-        stride_s apart), summed, then RoPE'd at the position of cos_row / sin_row: [N, HD]
-        float32, rounded where _rope_kv_kernel rounds (the sum, each product, their sum)."""
+        stride_s apart), summed, then RoPE'd with the table rows c, sn ([1, HD] float32, the
+        step's position): [N, HD] float32, rounded where _rope_kv_kernel rounds (the sum, each
+        product, their sum)."""
         part = (d + HALF) % HD  # rotate-half partner: x[d + hd/2] for the first half, x[d - hd/2] after
         x = tl.zeros([N, HD], dtype=tl.float32)
         xp = tl.zeros([N, HD], dtype=tl.float32)
@@ -466,8 +497,6 @@ if HAVE_TRITON:
             xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
         x = _round(x, like_ptr)
         xp = _round(xp, like_ptr)
-        c = tl.load(cos_row + d).to(tl.float32)[None, :]
-        sn = tl.load(sin_row + d).to(tl.float32)[None, :]
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
@@ -512,7 +541,8 @@ if HAVE_TRITON:
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
-                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr):
+                     FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
+                     EARLY_INPUTS: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -536,14 +566,20 @@ if HAVE_TRITON:
         PRELOAD_KV: the split's first block of K (and V) is loaded before the wait (cells of
         earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
         from the values this program writes (WRITE_KV), else re-read from the cache.
+        EARLY_INPUTS (or PRELOAD_KV): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
+        at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         _pdl_enter(PDL)
-        if PRELOAD_KV:  # the step's inputs and earlier steps' cache cells: before the wait
+        d = tl.arange(0, HD)
+        if PRELOAD_KV or EARLY_INPUTS:  # the step's inputs and tables: before the wait
             pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
             slot = tl.load(slot_ptr + b * stride_slot)
+            if FUSE_ROPE:
+                c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+                sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
         if PDL:
             if PF_CHUNK > 0:
                 nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -554,8 +590,12 @@ if HAVE_TRITON:
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
         if not PRELOAD_KV:
             _pdl_wait(PDL)
-            pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
-            slot = tl.load(slot_ptr + b * stride_slot)
+            if not EARLY_INPUTS:
+                pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+                slot = tl.load(slot_ptr + b * stride_slot)
+                if FUSE_ROPE:
+                    c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+                    sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
         n = pos + 1
         per = (n + NSPLIT - 1) // NSPLIT
         chunk = (per + BLOCK_S - 1) // BLOCK_S * BLOCK_S
@@ -563,7 +603,6 @@ if HAVE_TRITON:
         end = tl.minimum(start + chunk, n)
         g = tl.arange(0, GP)
         gm = g < G
-        d = tl.arange(0, HD)
         heads = kvh * G + g
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
@@ -577,14 +616,10 @@ if HAVE_TRITON:
             _pdl_wait(PDL)
         if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
-            cos_row = cos_ptr + pos * stride_cos
-            sin_row = sin_ptr + pos * stride_cos
-            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr, GP, HD, HD // 2),
-                    q_ptr)
+            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2), q_ptr)
             if WRITE_KV:
                 one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
-                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, cos_row, sin_row, kc_ptr,
-                                GP, HD, HD // 2)
+                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2)
                 v = tl.zeros([GP, HD], dtype=tl.float32)
                 vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
                 for s in range(0, NP):
@@ -739,9 +774,15 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
+    x may be a Splits (B == 1): the attention partials, merged by the GEMV as it loads them.
     """
     kn = KNOBS[knob]
-    B, K = x.shape
+    merge = x if isinstance(x, Splits) else None
+    if merge is not None:
+        x = merge.po.view(merge.po.shape[0], -1)  # only its row count and device are used as x's
+        B, K = x.shape[0], merge.po.shape[1] * merge.po.shape[3]
+    else:
+        B, K = x.shape
     N = w.shape[0] // 2 if silu else w.shape[0]
     split = 1 if silu or knob == "lm_head" else max(1, int(kn["SPLIT_K"]))
     bn, bk = int(kn["BLOCK_N"]), int(kn["BLOCK_K"])
@@ -757,12 +798,16 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
+    pm, pl = (merge.pm, merge.pl) if merge is not None else (out, out)
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
-                       x.stride(0), w.stride(0), out.stride(0), out.stride(1),
+                       x.stride(0), w.stride(0), out.stride(0), out.stride(1), pm, pl,
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
+                       MERGE_NS=merge.po.shape[2] if merge is not None else 0,
+                       NS_P=_pow2(merge.po.shape[2]) if merge is not None else 1,
+                       MERGE_HD=merge.po.shape[3] if merge is not None else 1,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -770,7 +815,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
 def _linear(x, w, knob, silu=False, pdl=False):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
+        return _gemv(x, w, knob, out_dtype=w.dtype if isinstance(x, Splits) else x.dtype, silu=silu, pdl=pdl)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -800,10 +845,20 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
     h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
+class Splits(NamedTuple):
+    """The online-softmax partials of one step's attention, unmerged (KNOBS["attn"]
+    ["COMBINE_IN_O"]): po [B, H, NSPLIT, hd], pm / pl [B, H, NSPLIT], float32."""
+    po: torch.Tensor
+    pm: torch.Tensor
+    pl: torch.Tensor
+
+
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
-    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2.
+    With KNOBS["attn"]["COMBINE_IN_O"] (online softmax, B == 1, Triton GEMVs): the Splits,
+    for o_proj's GEMV to merge."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -852,7 +907,11 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
-                                      PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)), **meta)
+                                      PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
+                                      EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)), **meta)
+    if (nsplit > 1 and not exact and bool(ka.get("COMBINE_IN_O", False)) and _stage("gemv")
+            and B < int(KNOBS["gemv_dot_min_rows"])):
+        return Splits(po, pm, pl)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],

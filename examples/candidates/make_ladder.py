@@ -44,7 +44,7 @@ LADDER = {
 WINNERS = {
     "llama_triton_decode_h200.py": (
         [('"EXACT_SOFTMAX": True, "FUSE_ROPE": False,', '"EXACT_SOFTMAX": False, "FUSE_ROPE": True,'),
-         ('"num_stages": 4, "PRELOAD_KV": True},', '"num_stages": 4, "PRELOAD_KV": False},'),
+         ('"num_stages": 4, "PRELOAD_KV": True,', '"num_stages": 4, "PRELOAD_KV": False,'),
          ('"pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False},',
           '"pdl": {"enabled": True, "PREFETCH_O": True, "EARLY_TRIGGER": False},')],
         "The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):\n"
