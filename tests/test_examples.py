@@ -128,7 +128,7 @@ ONLINE, EXACT = {"EXACT_SOFTMAX": False}, {"EXACT_SOFTMAX": True}
 NOFUSE = {"FUSE_ROPE": False}  # RoPE and the K/V write in _rope_kv_kernel, not in attention
 PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the (PDL) wait
 EARLY = {"EARLY_INPUTS": True}  # position, slot and RoPE rows loaded before the (PDL) wait
-IN_O = {"COMBINE_IN_O": True}  # the splits merged by o_proj's GEMV (B == 1), no combine kernel
+PIPE = {"PIPE": True}  # a GEMV's K steps loaded one step ahead
 BF16_CASES = [
     {"rows": 1},
     {"rows": 3},
@@ -162,15 +162,20 @@ BF16_CASES = [
     {"rows": 1, "layers": [0], "knobs": {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
                                          "attn": {"NSPLIT": 1, "BLOCK_S": 16, "FUSE_ROPE": True} | ONLINE | PRE_KV}},
     {"rows": 2, "layers": [1, 3], "knobs": {"attn": SPLITS | EXACT | {"FUSE_ROPE": True} | PRE_KV}},
-    # the step's inputs before the wait; the splits merged by o_proj's GEMV as it loads them
-    # (whole K steps, a ragged last split, PRE); with 3 rows the combine kernel merges them
-    {"rows": 1, "layers": [0, 2], "knobs": {"o": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2},
-                                            "attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | EARLY | IN_O}},
-    {"rows": 1, "layers": [1], "knobs": {"o": {"SPLIT_K": 4, "BLOCK_N": 32, "BLOCK_K": 32, "PRE": 1},
-                                         "attn": SPLITS | ONLINE | NOFUSE | IN_O}},
-    {"rows": 3, "layers": [1, 3], "knobs": {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | EARLY | IN_O}},
+    # the step's inputs loaded before the wait (RoPE fused, and in its own kernel)
+    {"rows": 1, "layers": [0, 2], "knobs": {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True} | EARLY}},
+    {"rows": 3, "layers": [1, 3], "knobs": {"attn": SPLITS | EXACT | NOFUSE | EARLY}},
+    # each K step's tiles loaded a step ahead: whole and ragged splits, after PRE (the loop
+    # then one step or none), the FMA GEMV with and without REDUCE_EACH, and the tl.dot one
+    {"rows": 1, "layers": [0, 2], "knobs": {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16} | PIPE,
+                                            "o": {"SPLIT_K": 2, "BLOCK_K": 32, "PRE": 1} | PIPE,
+                                            "gate_up": {"BLOCK_K": 32, "REDUCE_EACH": True} | PIPE,
+                                            "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2} | PIPE,
+                                            "lm_head": {"BLOCK_K": 64, "REDUCE_EACH": False} | PIPE}},
+    {"rows": 2, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16} | PIPE, "o": PIPE,
+                                            "gate_up": {"BLOCK_K": 32} | PIPE, "down": PIPE, "lm_head": PIPE}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22)]
 
 
 SCRIPT_HELPERS = r'''
@@ -275,9 +280,10 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
             "pdl": {"EARLY_TRIGGER": True}},
-           {"o": {"SPLIT_K": 4, "BLOCK_N": 32, "num_warps": 8, "PRE": 1},
-            "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True,
-                     "COMBINE_IN_O": True}}]
+           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
+            "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1},
+            "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
+            "combine": {"EARLY_TRIGGER": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -312,7 +318,7 @@ for fn, grid, args, kw in launches:
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
                     preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
-                    merge=bool(consts.get("MERGE_NS")), early=bool(consts.get("EARLY_INPUTS")),
+                    early=bool(consts.get("EARLY_INPUTS")),
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
@@ -326,8 +332,7 @@ def test_pdl_kernels_compile_for_sm90():
     kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
     and lets the next one launch (after the wait, or before it with EARLY_TRIGGER); GEMVs with
     PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches; GEMVs
-    with PRE and attention with PRELOAD_KV or EARLY_INPUTS issue loads before the wait; with
-    COMBINE_IN_O a batch-1 o_proj GEMV merges the attention splits."""
+    with PRE and attention with PRELOAD_KV or EARLY_INPUTS issue loads before the wait."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
@@ -340,12 +345,13 @@ def test_pdl_kernels_compile_for_sm90():
         if r["preload"] or r["kernel"] == "_add_norm_kernel":  # the norm weight: always before
             assert r["load_before_wait"], r
     assert {r["pdl"] for r in res} == {1, 2}
+    for kernel in ("_add_norm_kernel", "_attn_combine_kernel"):  # their own EARLY_TRIGGER
+        assert {r["pdl"] for r in res if r["kernel"] == kernel} == {1, 2}, kernel
     assert {r["kernel"] for r in res if r["preload"]} == {"_gemv_kernel", "_attn_kernel"}
     assert any(r["prefetch"] and r["kernel"] == "_attn_kernel" for r in res)
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
     assert any(r["early"] and r["load_before_wait"] for r in res)
-    assert any(r["merge"] for r in res) and all(r["kernel"] == "_gemv_kernel" for r in res if r["merge"])
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

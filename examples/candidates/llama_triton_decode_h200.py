@@ -84,7 +84,6 @@ attention-only -> +norm -> +gemv (see make_ladder.py next to it).
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,12 +98,17 @@ KNOBS = {
     # program prefetches its first PF_STEPS K steps of weight rows into L2 before it waits;
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
-    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
-    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
+    # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
+    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+            "PIPE": False},
+    "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+          "PIPE": False},
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
-                "REDUCE_EACH": True},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1},
-    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0},
+                "REDUCE_EACH": True, "PIPE": False},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
+             "PIPE": False},
+    "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+                "PIPE": False},
     # rows >= this use tl.dot on a 16-row padded tile (weights read once for all rows);
     # below it, a float32 FMA reduction (B == 1)
     "gemv_dot_min_rows": 2,
@@ -120,12 +124,13 @@ KNOBS = {
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
     # is loaded before the PDL wait, the row of this step's position re-read after it.
     # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
-    # COMBINE_IN_O (online softmax, B == 1): o_proj's GEMV merges the splits as it loads its
-    # input (no _attn_combine_kernel launch); give "o" a SPLIT_K that leaves it few K steps.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": False, "FUSE_ROPE": True, "num_warps": 4,
-             "num_stages": 4, "PRELOAD_KV": False, "EARLY_INPUTS": False, "COMBINE_IN_O": False},
-    "combine": {"num_warps": 2},
-    "norm": {"num_warps": 16},
+             "num_stages": 4, "PRELOAD_KV": False, "EARLY_INPUTS": False},
+    # EARLY_TRIGGER (with PDL): this group's kernels let the next kernel launch at their entry
+    # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
+    # a kernel earlier; the next kernel still waits for this one's results
+    "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
+    "norm": {"num_warps": 16, "EARLY_TRIGGER": False},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -271,30 +276,34 @@ if HAVE_TRITON:
         tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
-    def _merged_x(po_ptr, pm_ptr, pl_ptr, b, offs_k, k_mask, K, like_ptr,
-                  NSPLIT: tl.constexpr, NS_P: tl.constexpr, HD: tl.constexpr):
-        """Columns offs_k of row b of the attention output, merged from the online-softmax
-        partials of its NSPLIT splits as _attn_combine_kernel merges them (po [B, H, NSPLIT, HD],
-        pm / pl [B, H, NSPLIT], H = K / HD), rounded to like_ptr's dtype: [1, BLOCK_K]."""
-        s = tl.arange(0, NS_P)
-        sm = (s < NSPLIT)[:, None] & k_mask[None, :]
-        row = (b * (K // HD) + offs_k // HD)[None, :] * NSPLIT + s[:, None]  # [NS_P, BLOCK_K]
-        acc = tl.load(po_ptr + row * HD + (offs_k % HD)[None, :], mask=sm, other=0.0)
-        m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
-        l = tl.load(pl_ptr + row, mask=sm, other=0.0)
-        mx = tl.max(m, axis=0)
-        wgt = tl.where(sm, tl.exp(m - mx[None, :]), 0.0)
-        out = tl.sum(acc * wgt, axis=0) / tl.sum(l * wgt, axis=0)
-        return _to(tl.where(k_mask, out, 0.0), like_ptr)[None, :]
+    def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """The tiles of K step k0 of a GEMV: x [BLOCK_B, BLOCK_K], w and (SILU) up rows
+        [BLOCK_N, BLOCK_K]; zeros past K and past the masked rows. Without SILU the third is x."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            wm = n_mask[:, None]
+            xm = b_mask[:, None]
+        else:
+            k_mask = offs_k < K
+            wm = n_mask[:, None] & k_mask[None, :]
+            xm = b_mask[:, None] & k_mask[None, :]
+        xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
+        if SILU:
+            wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
+        else:
+            wu = xt
+        return xt, wt, wu
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
-                     stride_xb, stride_wn, stride_os, stride_ob, pm_ptr, pl_ptr,
+                     stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     MERGE_NS: tl.constexpr, NS_P: tl.constexpr, MERGE_HD: tl.constexpr):
+                     PIPE: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -310,8 +319,8 @@ if HAVE_TRITON:
         PRE_K > 0 (a power of two, <= K_SPLIT): the program loads its first PRE_K columns of
         weight rows into registers before the wait (with PDL, while the kernel before it
         runs), their products summed apart from the loop's and added at the end.
-        MERGE_NS > 0 (BLOCK_B == 1): x is not a matrix but attention partials (x_ptr = po, with
-        pm_ptr, pl_ptr: see _merged_x), merged over their MERGE_NS splits as they are loaded.
+        PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
+        program has two steps of weight rows in flight while it sums one.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -358,10 +367,7 @@ if HAVE_TRITON:
                 xpm = b_mask[:, None]
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
-            if MERGE_NS > 0:
-                xp = _merged_x(x_ptr, pm_ptr, pl_ptr, pid_b, offs_p, offs_p < K, K, w_ptr, MERGE_NS, NS_P, MERGE_HD)
-            else:
-                xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
@@ -371,22 +377,16 @@ if HAVE_TRITON:
                 pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)  # [BLOCK_N]
                 if SILU:
                     pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
+        if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
+            kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
+            xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
         for k0 in range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                wm = n_mask[:, None]
-                xm = b_mask[:, None]
+            if PIPE:  # this step's tiles arrived last step; the next step's are loaded now
+                xt, wt, wu = xt_n, wt_n, wu_n
+                kc = tl.minimum(k0 + BLOCK_K, k_lo + K_SPLIT - BLOCK_K)
+                xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
             else:
-                k_mask = offs_k < K
-                wm = n_mask[:, None] & k_mask[None, :]
-                xm = b_mask[:, None] & k_mask[None, :]
-            if MERGE_NS > 0:
-                xt = _merged_x(x_ptr, pm_ptr, pl_ptr, pid_b, offs_k, offs_k < K, K, w_ptr, MERGE_NS, NS_P, MERGE_HD)
-            else:
-                xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)  # [BLOCK_B, BLOCK_K]
-            wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
-            if SILU:
-                wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
+                xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
             if USE_DOT:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
@@ -760,6 +760,11 @@ def _pdl(dev: torch.device) -> int:
     return 2 if KNOBS["pdl"].get("EARLY_TRIGGER", False) else 1
 
 
+def _early(pdl: int, group: str) -> int:
+    """The PDL mode of a kernel of `group`: 2 (trigger at entry) with its EARLY_TRIGGER knob."""
+    return 2 if pdl and KNOBS[group].get("EARLY_TRIGGER", False) else pdl
+
+
 def _launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
@@ -774,15 +779,9 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
-    x may be a Splits (B == 1): the attention partials, merged by the GEMV as it loads them.
     """
     kn = KNOBS[knob]
-    merge = x if isinstance(x, Splits) else None
-    if merge is not None:
-        x = merge.po.view(merge.po.shape[0], -1)  # only its row count and device are used as x's
-        B, K = x.shape[0], merge.po.shape[1] * merge.po.shape[3]
-    else:
-        B, K = x.shape
+    B, K = x.shape
     N = w.shape[0] // 2 if silu else w.shape[0]
     split = 1 if silu or knob == "lm_head" else max(1, int(kn["SPLIT_K"]))
     bn, bk = int(kn["BLOCK_N"]), int(kn["BLOCK_K"])
@@ -798,16 +797,13 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
-    pm, pl = (merge.pm, merge.pl) if merge is not None else (out, out)
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
-                       x.stride(0), w.stride(0), out.stride(0), out.stride(1), pm, pl,
+                       x.stride(0), w.stride(0), out.stride(0), out.stride(1),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
-                       MERGE_NS=merge.po.shape[2] if merge is not None else 0,
-                       NS_P=_pow2(merge.po.shape[2]) if merge is not None else 1,
-                       MERGE_HD=merge.po.shape[3] if merge is not None else 1,
+                       PIPE=bool(kn["PIPE"]),
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -815,7 +811,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
 def _linear(x, w, knob, silu=False, pdl=False):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=w.dtype if isinstance(x, Splits) else x.dtype, silu=silu, pdl=pdl)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -836,7 +832,8 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
                                tok.stride(0) if tokens is not None else 0,
                                e.stride(0) if emb is not None else 0, eps,
                                GATHER=tokens is not None, HAS_BRANCH=branch is not None,
-                               BLOCK_D=_pow2(D), PDL=pdl, num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
+                               BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), num_warps=KNOBS["norm"]["num_warps"],
+                               **_launch(pdl))
         return
     if tokens is not None:
         x.copy_(F.embedding(tokens, emb))
@@ -845,20 +842,10 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
     h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-class Splits(NamedTuple):
-    """The online-softmax partials of one step's attention, unmerged (KNOBS["attn"]
-    ["COMBINE_IN_O"]): po [B, H, NSPLIT, hd], pm / pl [B, H, NSPLIT], float32."""
-    po: torch.Tensor
-    pm: torch.Tensor
-    pl: torch.Tensor
-
-
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
-    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2.
-    With KNOBS["attn"]["COMBINE_IN_O"] (online softmax, B == 1, Triton GEMVs): the Splits,
-    for o_proj's GEMV to merge."""
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -909,12 +896,10 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)), **meta)
-    if (nsplit > 1 and not exact and bool(ka.get("COMBINE_IN_O", False)) and _stage("gemv")
-            and B < int(KNOBS["gemv_dot_min_rows"])):
-        return Splits(po, pm, pl)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
-                                       WEIGHTED=not exact, PDL=pdl, num_warps=KNOBS["combine"]["num_warps"],
+                                       WEIGHTED=not exact, PDL=_early(pdl, "combine"),
+                                       num_warps=KNOBS["combine"]["num_warps"],
                                        **_launch(pdl))
     return o
 
