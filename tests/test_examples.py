@@ -173,7 +173,8 @@ BF16_CASES = [
                                             "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2} | PIPE,
                                             "lm_head": {"BLOCK_K": 64, "REDUCE_EACH": False} | PIPE}},
     {"rows": 2, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16} | PIPE, "o": PIPE,
-                                            "gate_up": {"BLOCK_K": 32} | PIPE, "down": PIPE, "lm_head": PIPE}},
+                                            "gate_up": {"BLOCK_K": 32} | PIPE, "down": PIPE, "lm_head": PIPE,
+                                            "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}}},
 ]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22)]
 
@@ -283,7 +284,7 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
             "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
-            "combine": {"EARLY_TRIGGER": True}}]
+            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -318,7 +319,8 @@ for fn, grid, args, kw in launches:
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
                     preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
-                    early=bool(consts.get("EARLY_INPUTS")),
+                    early=bool(consts.get("EARLY_INPUTS")), evict_wanted=bool(consts.get("EVW") or consts.get("KV_EV")),
+                    evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
@@ -352,6 +354,9 @@ def test_pdl_kernels_compile_for_sm90():
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
     assert any(r["early"] and r["load_before_wait"] for r in res)
+    for r in res:  # L2 eviction priorities where KNOBS["l2"] asks for them, and only there
+        assert r["evict"] == r["evict_wanted"], r
+    assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

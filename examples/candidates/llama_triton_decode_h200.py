@@ -139,6 +139,10 @@ KNOBS = {
     # EARLY_TRIGGER: each kernel lets the next one launch at its entry instead of after its
     # wait, so loads issued before the wait run a kernel further ahead.
     "pdl": {"enabled": True, "PREFETCH_O": True, "EARLY_TRIGGER": False},
+    # L2 eviction priorities: the GEMVs' weight loads marked evict-first (each is read once a
+    # step), the attention's K/V loads evict-last (read again next step), so the K/V cache and
+    # the step's activations may stay in L2 while the weights stream past
+    "l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False},
     "stages": {"attention": True, "norm": True, "gemv": True},
 }
 
@@ -277,9 +281,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVW: tl.constexpr):
         """The tiles of K step k0 of a GEMV: x [BLOCK_B, BLOCK_K], w and (SILU) up rows
-        [BLOCK_N, BLOCK_K]; zeros past K and past the masked rows. Without SILU the third is x."""
+        [BLOCK_N, BLOCK_K]; zeros past K and past the masked rows. Without SILU the third is x.
+        EVW: the weight loads' L2 eviction policy ("" default, or "evict_first")."""
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             wm = n_mask[:, None]
@@ -289,9 +294,9 @@ if HAVE_TRITON:
             wm = n_mask[:, None] & k_mask[None, :]
             xm = b_mask[:, None] & k_mask[None, :]
         xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-        wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
+        wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVW)
         if SILU:
-            wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0)
+            wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVW)
         else:
             wu = xt
         return xt, wt, wu
@@ -303,7 +308,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr):
+                     PIPE: tl.constexpr, EVW: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -321,6 +326,7 @@ if HAVE_TRITON:
         runs), their products summed apart from the loop's and added at the end.
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
+        EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -340,9 +346,9 @@ if HAVE_TRITON:
                 pm = n_mask[:, None]
             else:
                 pm = n_mask[:, None] & (offs_p < K)[None, :]
-            wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0)  # [BLOCK_N, PRE_K]
+            wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)  # [BLOCK_N, PRE_K]
             if SILU:
-                wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0)
+                wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)
         if PDL:
             if PF_STEPS > 0:  # weights only: no kernel writes them
                 rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -379,14 +385,14 @@ if HAVE_TRITON:
                     pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
         if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
             kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
-            xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
+            xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
         for k0 in range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K):
             if PIPE:  # this step's tiles arrived last step; the next step's are loaded now
                 xt, wt, wu = xt_n, wt_n, wu_n
                 kc = tl.minimum(k0 + BLOCK_K, k_lo + K_SPLIT - BLOCK_K)
-                xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
+                xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             else:
-                xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K)
+                xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             if USE_DOT:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
@@ -500,9 +506,10 @@ if HAVE_TRITON:
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
-    def _kv_tile(base, s_seq, offs, valid, d):
-        """The cache rows `offs` ([BLOCK_S, HD]) of one (slot, kv head); zeros where not valid."""
-        return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0)
+    def _kv_tile(base, s_seq, offs, valid, d, EV: tl.constexpr):
+        """The cache rows `offs` ([BLOCK_S, HD]) of one (slot, kv head); zeros where not valid.
+        EV: the loads' L2 eviction policy ("" default, or "evict_last")."""
+        return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EV)
 
     @triton.jit
     def _scores(q, kt, valid, q_ptr, scale, IEEE: tl.constexpr):
@@ -542,7 +549,7 @@ if HAVE_TRITON:
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     EARLY_INPUTS: tl.constexpr):
+                     EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -568,6 +575,7 @@ if HAVE_TRITON:
         from the values this program writes (WRITE_KV), else re-read from the cache.
         EARLY_INPUTS (or PRELOAD_KV): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
         at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
+        KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -610,9 +618,9 @@ if HAVE_TRITON:
         if PRELOAD_KV:
             offs0 = start + tl.arange(0, BLOCK_S)
             valid0 = offs0 < end
-            kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d)
+            kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d, KV_EV)
             if PHASE != 1:
-                vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d)
+                vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
             _pdl_wait(PDL)
         if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
@@ -658,8 +666,8 @@ if HAVE_TRITON:
             for s0 in range(lo, end, BLOCK_S):
                 offs = s0 + tl.arange(0, BLOCK_S)
                 valid = offs < end
-                sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
-                m_i, l_i, acc = _online_step(sc, _kv_tile(v_base, s_seq, offs, valid, d), m_i, l_i, acc,
+                sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                m_i, l_i, acc = _online_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc,
                                              vc_ptr, IEEE)
             if NSPLIT == 1:
                 tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
@@ -676,7 +684,7 @@ if HAVE_TRITON:
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
                     m_i, l_i = _stats_step(sc, m_i, l_i)
             if PHASE == 1:
                 tl.store(pm_ptr + row, m_i, mask=gm)
@@ -699,8 +707,8 @@ if HAVE_TRITON:
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d), valid, q_ptr, scale, IEEE)
-                    acc = _exact_step(sc, _kv_tile(v_base, s_seq, offs, valid, d), m_i, l_i, acc, vc_ptr, IEEE)
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                    acc = _exact_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc, vc_ptr, IEEE)
                 if NSPLIT == 1:
                     tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                              _to(acc, o_ptr), mask=gm[:, None])
@@ -803,7 +811,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
-                       PIPE=bool(kn["PIPE"]),
+                       PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -895,7 +903,8 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
-                                      EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)), **meta)
+                                      EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
+                                      KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "", **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
