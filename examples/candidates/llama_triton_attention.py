@@ -44,14 +44,16 @@ With KNOBS["pdl"] (sm_90+) every kernel is launched with programmatic dependent 
 starts while the kernel before it runs and waits for it (griddepcontrol.wait) before it reads
 anything a kernel wrote; the results are bitwise those of plain launches (tests/test_gpu.py).
 What no kernel of the step writes may be loaded before the wait, while the kernel before runs:
-the norm weights (always), the first PRE K steps of a GEMV's weight rows, and with PRELOAD_KV
-each attention split's first block of earlier steps' K/V.
+the norm weights (always), the first PRE K steps of a GEMV's weight rows, with PRELOAD_KV
+each attention split's first block of earlier steps' K/V, with EARLY_INPUTS the step's
+position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
-- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: these KNOBS
-  1,136 tok/s (881 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
-  attention, PREFETCH_O, no PRELOAD_KV) 1,176 (850 us), against the engine reference's 508,
-  torch.compile(reduce-overhead)'s 742 and HF's 55 (each step's greedy choice by
+- `BUDGET_S=0 bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run:
+  these KNOBS 1,142 tok/s (876 us a token), llama_triton_decode_h200.py (online softmax,
+  RoPE fused into attention, PREFETCH_O, no PRELOAD_KV, EARLY_INPUTS, norm EARLY_TRIGGER,
+  qkv PRE 4, gate_up PRE 1, L2 priorities) 1,234 (810 us), against the engine reference's
+  507, torch.compile(reduce-overhead)'s 745 and HF's 53 (each step's greedy choice by
   engine_server.greedy); tolerance gate (winner: error 1.78 from the float32 reference
   against the bf16 reference's own 1.79), not bitwise.
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
@@ -62,6 +64,12 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%),
   PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
   wave, so the next kernel launches late), EARLY_TRIGGER (-2%).
+- Then for the H200 winner (h200_variants_early_inputs.json, _early_trigger.json,
+  _winner_sweep.json): EARLY_INPUTS +1.4%; norm EARLY_TRIGGER with gate_up PRE 1 +1.1% (PRE 1
+  alone +0.0%: the early launch is what gives the loads time); weights evict-first in L2
+  +1.2%; qkv PRE 4 +0.8% once its kernel launches early. Slower: the attention splits merged
+  inside o_proj's GEMV (-7 to -18%), PIPE on gate_up (-5.5%: one program per SM, two waves;
+  h200_variants_pipe.json), the combine kernel's early trigger (-0.2 to -5%).
 - The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
   preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
   bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top

@@ -1,8 +1,11 @@
 """The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):
 llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention
-(without PRELOAD_KV), and o_proj's weight prefetched into L2 by the first attention kernel.
-1,176.3 tok/s (850 us a token): 2.31x the engine reference's 508.2, 1.59x torch.compile's
-741.8, 21.6x HF's 54.5 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
+(without PRELOAD_KV, its inputs loaded before the PDL wait), o_proj's weight prefetched into
+L2 by the first attention kernel, norm kernels that let the next GEMV launch at their entry
+so that all of qkv's weight share and gate_up's first K step load while the kernel before
+runs, and L2 priorities (weights evict-first, K/V evict-last).
+1,234.0 tok/s (810 us a token): 2.43x the engine reference's 507.1, 1.66x torch.compile's
+744.5, 23.2x HF's 53.2 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
 Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the
 tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart
 at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py
@@ -49,14 +52,16 @@ With KNOBS["pdl"] (sm_90+) every kernel is launched with programmatic dependent 
 starts while the kernel before it runs and waits for it (griddepcontrol.wait) before it reads
 anything a kernel wrote; the results are bitwise those of plain launches (tests/test_gpu.py).
 What no kernel of the step writes may be loaded before the wait, while the kernel before runs:
-the norm weights (always), the first PRE K steps of a GEMV's weight rows, and with PRELOAD_KV
-each attention split's first block of earlier steps' K/V.
+the norm weights (always), the first PRE K steps of a GEMV's weight rows, with PRELOAD_KV
+each attention split's first block of earlier steps' K/V, with EARLY_INPUTS the step's
+position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
-- `bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run: these KNOBS
-  1,136 tok/s (881 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
-  attention, PREFETCH_O, no PRELOAD_KV) 1,176 (850 us), against the engine reference's 508,
-  torch.compile(reduce-overhead)'s 742 and HF's 55 (each step's greedy choice by
+- `BUDGET_S=0 bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run:
+  these KNOBS 1,142 tok/s (876 us a token), llama_triton_decode_h200.py (online softmax,
+  RoPE fused into attention, PREFETCH_O, no PRELOAD_KV, EARLY_INPUTS, norm EARLY_TRIGGER,
+  qkv PRE 4, gate_up PRE 1, L2 priorities) 1,234 (810 us), against the engine reference's
+  507, torch.compile(reduce-overhead)'s 745 and HF's 53 (each step's greedy choice by
   engine_server.greedy); tolerance gate (winner: error 1.78 from the float32 reference
   against the bf16 reference's own 1.79), not bitwise.
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
@@ -67,6 +72,12 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%),
   PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
   wave, so the next kernel launches late), EARLY_TRIGGER (-2%).
+- Then for the H200 winner (h200_variants_early_inputs.json, _early_trigger.json,
+  _winner_sweep.json): EARLY_INPUTS +1.4%; norm EARLY_TRIGGER with gate_up PRE 1 +1.1% (PRE 1
+  alone +0.0%: the early launch is what gives the loads time); weights evict-first in L2
+  +1.2%; qkv PRE 4 +0.8% once its kernel launches early. Slower: the attention splits merged
+  inside o_proj's GEMV (-7 to -18%), PIPE on gate_up (-5.5%: one program per SM, two waves;
+  h200_variants_pipe.json), the combine kernel's early trigger (-0.2 to -5%).
 - The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
   preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
   bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top
@@ -99,11 +110,11 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
-    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
             "PIPE": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
           "PIPE": False},
-    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
                 "REDUCE_EACH": True, "PIPE": False},
     "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
              "PIPE": False},
@@ -125,12 +136,12 @@ KNOBS = {
     # is loaded before the PDL wait, the row of this step's position re-read after it.
     # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": False, "FUSE_ROPE": True, "num_warps": 4,
-             "num_stages": 4, "PRELOAD_KV": False, "EARLY_INPUTS": False},
+             "num_stages": 4, "PRELOAD_KV": False, "EARLY_INPUTS": True},
     # EARLY_TRIGGER (with PDL): this group's kernels let the next kernel launch at their entry
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
     # a kernel earlier; the next kernel still waits for this one's results
     "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
-    "norm": {"num_warps": 16, "EARLY_TRIGGER": False},
+    "norm": {"num_warps": 16, "EARLY_TRIGGER": True},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -142,7 +153,7 @@ KNOBS = {
     # L2 eviction priorities: the GEMVs' weight loads marked evict-first (each is read once a
     # step), the attention's K/V loads evict-last (read again next step), so the K/V cache and
     # the step's activations may stay in L2 while the weights stream past
-    "l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False},
+    "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True},
     "stages": {"attention": True, "norm": True, "gemv": True},
 }
 
