@@ -5,8 +5,9 @@ interleaved in one engine so every setting sees the same machine.
 
     python benchmarks/depth_check_bench.py --shrink --device cpu --n 30 --reps 5,3 3,3
 
-`--reps D,P`: D rounds for the decode shape, P for an extrapolated prefill (the engine's
-DEPTH_REPS / DEPTH_REPS_PREFILL). Prints a card, then one JSON line.
+`--reps D,P`: the least check rounds for the decode shape, D, and for an extrapolated
+prefill, P (the engine's DEPTH_REPS / DEPTH_REPS_PREFILL; each timed round is a check round
+with the chance D / fast_min_rounds, P / fast_min_rounds). Prints a card, then one JSON line.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def relative(m) -> float:
 def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--n", type=int, default=20, help="reference copies per setting (padders: half as many)")
-    p.add_argument("--reps", nargs="+", default=["5,3", "3,3"], help="decode,prefill rounds per setting")
+    p.add_argument("--reps", nargs="+", default=["5,3", "3,3"], help="decode,prefill least check rounds per setting")
     a = p.parse_args()
     settings = [tuple(int(x) for x in r.split(",")) for r in a.reps]
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device))

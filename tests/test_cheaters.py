@@ -13,6 +13,7 @@ EXPECT = {  # a word the violation or error must contain: it names what the chea
     "side_stream": "unsynchronised",
     "timer_patch": "perf_counter",
     "depth_padder": "grow with the layers",
+    "depth_counter": "grow with the layers",
     "batch1_shortcut": "batch-1 decode",
 }
 

@@ -130,34 +130,32 @@ def test_sequential_stopping_never_stops_below_the_minimum():
     assert rounds_run(same, 30, 21, 0.05) == (21, "max_rounds")  # the cap wins over a larger minimum
 
 
-def _depth_judged(monkeypatch, first: float, again: float):
-    """The depth check's verdict on one decode shape whose first 5 rounds gave the candidate
+def _depth_judged(first: float, again: float):
+    """The depth check's verdict on one decode shape whose 5 check rounds gave the candidate
     `first` times the reference's ratio (1.0), and whose recheck rounds give it `again`."""
-    sh = measure.Shape("decode B=1 ctx=8", batch=None, contexts=[8])
-    raw = {s: {("L", sh.name): [1.0] * 5} for s in ("ref", "cand")}
-    est = {"ref": {sh.name: [1.0] * 5}, "cand": {sh.name: [1.0 / first] * 5}}
+    name = "decode B=1 ctx=8"
+    depth = {"ref": {name: [1.0] * 5}, "cand": {name: [first] * 5}}
     asked = []
 
-    def retimed(eng, sides, shape, rounds):
-        asked.append((shape.name, rounds))
-        return {"ref": [1.0] * rounds, "cand": [again] * rounds}
-    monkeypatch.setattr(measure, "_depth_ratios", retimed)
+    def recheck(shape, rounds):
+        asked.append((shape, rounds))
+        return {"ref": {shape: [1.0] * rounds}, "cand": {shape: [again] * rounds}}
     res = measure.MeasureResult(candidate_id="c", tier="fast", ok=True)
-    measure._depth_check(type("Eng", (), {"cuda": False})(), res, [sh], raw, est, sides={})
+    measure._depth_check(type("Eng", (), {"cuda": False})(), res, depth, recheck)
     return res, asked
 
 
-def test_depth_check_rechecks_a_failed_shape_before_it_flags_it(monkeypatch):
+def test_depth_check_rechecks_a_failed_shape_before_it_flags_it():
     # within the slack: judged on the first rounds, nothing timed again
-    res, asked = _depth_judged(monkeypatch, first=1.2, again=9.0)
+    res, asked = _depth_judged(first=1.2, again=9.0)
     assert not res.violations and not asked and res.config["depth_check"]["decode B=1 ctx=8"]["rechecked"] is False
     # a noisy first look (outside the slack) that the recheck does not confirm: no violation
-    res, asked = _depth_judged(monkeypatch, first=2.0, again=1.0)
-    assert asked == [("decode B=1 ctx=8", 5)] and not res.violations, res.violations
+    res, asked = _depth_judged(first=2.0, again=1.0)
+    assert asked == [("decode B=1 ctx=8", 10)] and not res.violations, res.violations
     check = res.config["depth_check"]["decode B=1 ctx=8"]
-    assert check["rechecked"] is True and check["repetitions"] == 10 and check["cand"] == 1.0, check
+    assert check["rechecked"] is True and check["repetitions"] == 15 and check["cand"] == 1.0, check
     # padding shows in every round: the recheck confirms it
-    res, asked = _depth_judged(monkeypatch, first=3.0, again=3.0)
+    res, asked = _depth_judged(first=3.0, again=3.0)
     assert asked and any("grow with the layers" in v for v in res.violations), res.violations
 
 
@@ -173,7 +171,7 @@ def forward(state, batch):
     repeat = 1
     if armed[0] > 0 and len(state.layers) == state.config.num_layers and batch.size == 1 and batch.seq_len == 1:
         armed[0] -= 1
-        repeat = 4
+        repeat = 8
     for _ in range(repeat):
         out = ref.forward(state, batch)
     return out
@@ -181,16 +179,37 @@ def forward(state, batch):
 
 
 def test_depth_check_recheck_clears_a_slow_first_look(llama_engine):
-    """The engine's own recheck: the first look's full-depth steps run 4x slow, the recheck's at
-    speed; the pass is valid and says it was rechecked."""
+    """The engine's own recheck: the first look's full-depth steps run 8x slow, the recheck's at
+    speed; the pass is valid and says it was rechecked. (The rounds are fixed at DEPTH_REPS, so
+    every round is a check round and the first look's steps can be counted.)"""
     r = llama_engine.submit_forward_pass(FIRST_LOOK_SLOW)
     assert r.ok, r.error
-    armed = llama_engine.candidates[r.candidate_id].module.armed
-    armed[0] = measure.DEPTH_REPS["cpu"] * llama_engine.config.fast_iters  # the first look's steps
-    fm = llama_engine.measure_fast(r.candidate_id)
+    cfg = llama_engine.config
+    saved = cfg.fast_rounds, cfg.fast_min_rounds
+    try:
+        cfg.fast_rounds = cfg.fast_min_rounds = measure.DEPTH_REPS["cpu"]
+        armed = llama_engine.candidates[r.candidate_id].module.armed
+        armed[0] = measure.DEPTH_REPS["cpu"] * cfg.fast_iters  # the first look's steps
+        fm = llama_engine.measure_fast(r.candidate_id)
+    finally:
+        cfg.fast_rounds, cfg.fast_min_rounds = saved
     check = fm.config["depth_check"][fm.shapes[0].shape]
-    assert armed[0] == 0 and check["rechecked"] is True, check
+    assert armed[0] == 0 and check["rechecked"] is True and check["repetitions"] == 9, check
     assert fm.valid, (fm.violations, check)
+
+
+def test_depth_check_rounds_are_drawn_at_random(llama_engine):
+    """Each timed round is a check round with the chance DEPTH_REPS / fast_min_rounds (1/3 on
+    the CPU), at least DEPTH_REPS of them a call; a reference copy stays valid."""
+    r = llama_engine.submit_forward_pass(reference_source(llama_engine))
+    sh = llama_engine.fast_setup.shapes[0]
+    assert measure._depth_odds(llama_engine, sh) == pytest.approx(
+        measure.DEPTH_REPS["cpu"] / llama_engine.config.fast_min_rounds)
+    for _ in range(2):
+        fm = llama_engine.measure_fast(r.candidate_id)
+        assert fm.valid, fm.violations
+        check = fm.config["depth_check"][fm.shapes[0].shape]
+        assert check["repetitions"] >= measure.DEPTH_REPS["cpu"] * (1 + 2 * check["rechecked"]), check
 
 
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):

@@ -264,8 +264,9 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         Times the decode step on a subset of the layers (about a fifth) over a few batch
         shapes taken from the engine's traffic, reference and candidate alternated A/B in
         the same call, warm-up dropped; full depth is extrapolated from the subset and from
-        no layers, and checked against timed full-depth steps (timed again before a pass is
-        flagged: one whose time does not grow with its layers is). Returns `speedup` =
+        no layers, and checked against full-depth steps timed in rounds drawn at random
+        (timed again before a pass is flagged: one whose time does not grow with its layers
+        is). Returns `speedup` =
         reference time / candidate time (above 1 is faster) and `speedup_ci95`, its 95%
         interval: a gain is real when the whole interval is above 1. Rounds stop early once
         that interval is narrow enough (`samples` says how many ran). Also step_ms,

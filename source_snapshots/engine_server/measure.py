@@ -6,8 +6,8 @@ concurrency) and one prefill at the mean prompt length, capped as the full tier 
 KV cache prefilled by the reference from real prompt text. Each decode shape is timed on a
 subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
-depth check times the batch-1 shape at full depth too, in the first timed rounds, just
-before its fast-layer and no-layer timings: full depth over its extrapolation must match
+depth check times the batch-1 shape at full depth too, in rounds drawn at random, just
+after its fast-layer and no-layer timings: full depth over its extrapolation must match
 the reference's. The prefill is extrapolated and depth-checked as the decode shapes are
 (`fast_prefill="layers"`, the default), or timed at full depth (one eager pass, "full").
 The shapes are weighted by how many ops of their kind the full tier's schedule holds.
@@ -44,11 +44,15 @@ from engine_server.state import Batch, decode_batch, prefill_batch
 
 BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plausibility floor
 # a full-depth step may take this much more than extrapolated, relative to the reference's,
-# judged on the first this many timed rounds, each timing full depth, the fast layers and
-# none back to back, then on as many again if it failed (CPU: 3 decode rounds give the
-# verdicts 5 gave, reference copies passing and the depth padder of tests/cheaters far outside,
-# for up to 30 ms less a call: benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2
-# rounds judged their mean, which one preempted timing on a loaded host swung both ways)
+# judged on at least this many check rounds (each timing the fast layers, none, then full
+# depth, back to back), then on twice as many more if it failed. Each timed round is a check round
+# with the chance DEPTH_REPS / fast_min_rounds, drawn from the OS's entropy (`_depth_odds`):
+# no pass can tell which rounds will be checked, so one that pads its no-layer steps in more
+# than half the rounds (what it takes to move the median) shows it in about as many of the
+# check rounds (tests/cheaters/depth_counter.py). (CPU: 3 decode rounds give the verdicts 5
+# gave, reference copies passing and the depth padder of tests/cheaters far outside:
+# benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2 rounds judged their mean,
+# which one preempted timing on a loaded host swung both ways)
 DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
 DEPTH_REPS = {"cuda": 5, "cpu": 3}
 # an extrapolated prefill is checked on fewer: one eager full-depth pass costs as much as a
@@ -303,15 +307,15 @@ def fast(eng, cand) -> MeasureResult:
     depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
     plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(cfg, sh) else ("k", "0"))]
     # the depth check's shapes: the first decode shape, and the prefill when it is extrapolated;
-    # their full depth is timed in the same rounds, just before their "k" and "0" timings
+    # in the rounds drawn for it, their full depth is timed right after their "k" and "0" timings
     checked = _depth_checked(eng, setup)
-    kind = "cuda" if eng.cuda else "cpu"
-    reps = {sh.name: (DEPTH_REPS_PREFILL if sh.prefill else DEPTH_REPS)[kind]
-            for sh in checked}  # timed rounds that time full depth too (fewer if the rounds stop first)
+    odds = {sh.name: _depth_odds(eng, sh) for sh in checked}
+    rng = random.SystemRandom()
     sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
              for side, c in (("ref", ref), ("cand", cand))}
     eng.state.load_cache(*setup.kv)
-    raw = {s: {(d, sh.name): [] for d, sh in plan + [("L", sh) for sh in checked]} for s in sides}
+    raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
+    depth: dict[str, dict[str, list[float]]] = {s: {sh.name: [] for sh in checked} for s in sides}
     # where the call's seconds go, for whoever wants the tier cheaper (result config "phases_s")
     phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0,
               "depth_check": 0.0}
@@ -326,25 +330,26 @@ def fast(eng, cand) -> MeasureResult:
     stopped = None
     r = 0
     while stopped is None:
-        order = ("ref", "cand") if r % 2 == 0 else ("cand", "ref")
         i = r - cfg.warmup_rounds  # < 0: a warm-up round, its timings dropped
-        for side in order:
-            c, states = sides[side]
-            for d, sh in plan:
-                if d == "k" and 0 <= i < reps.get(sh.name, 0):
-                    t0 = time.perf_counter()
-                    raw[side]["L", sh.name].append(_time_steps(eng, c, states["L"], sh, cfg.fast_iters))
-                    phases["depth_check"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                t = _time_steps(eng, c, states[d], sh, cfg.fast_iters)
-                phases["rounds_prefill" if sh.prefill else "rounds_decode"] += time.perf_counter() - t0
-                if i >= 0:
-                    raw[side][d, sh.name].append(t)
+        check = {name for name, p in odds.items() if i >= 0 and rng.random() < p}
+        got = _timed_round(eng, sides, plan, r, check, phases)
         if i >= 0:
+            for s in sides:
+                for d, sh in plan:
+                    raw[s][d, sh.name].append(got[s][d, sh.name])
+                for name, x in _depth_samples(eng, got[s], check).items():
+                    depth[s][name].append(x)
             a, b = (sum(sh.weight * estimate(s, sh, i) for sh in setup.shapes) for s in ("ref", "cand"))
             ratios.append(a / b if b > 0 else float("inf"))
             stopped = should_stop(ratios, cfg.fast_min_rounds, cfg.fast_rounds, cfg.fast_ci)
         r += 1
+    t0 = time.perf_counter()  # fewer check rounds than the least: more rounds, drawn the same way
+    more = _depth_rounds(eng, sides, plan, odds, rng, {sh.name: _depth_least(eng, sh) - len(depth["cand"][sh.name])
+                                                         for sh in checked})
+    for s in sides:
+        for name, xs in more[s].items():
+            depth[s][name] += xs
+    phases["depth_check"] += time.perf_counter() - t0
     n = len(ratios)
     # full-depth estimate of every sample: the paired rounds stay paired
     est = {s: {sh.name: [estimate(s, sh, i) for i in range(n)] for sh in setup.shapes} for s in sides}
@@ -389,7 +394,7 @@ def fast(eng, cand) -> MeasureResult:
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _depth_check(eng, res, checked, raw, est, sides)
+    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need}))
     phases["depth_check"] += time.perf_counter() - t0  # a recheck's rounds
     _plausibility(eng, res, setup)
     res.valid = not res.violations
@@ -411,51 +416,96 @@ def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
     return checked + [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
 
 
-def _depth_check(eng, res: MeasureResult, checked: list[Shape], raw: dict, est: dict, sides: dict) -> None:
+def _depth_odds(eng, sh: Shape) -> float:
+    """The chance that a timed round times `sh` at full depth too: DEPTH_REPS (the prefill:
+    DEPTH_REPS_PREFILL) over the rounds the fast tier runs at least."""
+    return min(1.0, _depth_least(eng, sh) / max(1, eng.config.fast_min_rounds))
+
+
+def _depth_least(eng, sh: Shape) -> int:
+    """The fewest check rounds a verdict on `sh` rests on."""
+    return (DEPTH_REPS_PREFILL if sh.prefill else DEPTH_REPS)["cuda" if eng.cuda else "cpu"]
+
+
+def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: dict | None = None) -> dict:
+    """One round: each side (which goes first alternating with r) times every (depth, shape) of
+    `plan`, and right after a shape's no-layer timing its full depth ("L") when the shape is in
+    `check`: nothing a pass sees before its no-layer steps says whether the round checks them.
+    Each side's turn starts with one untimed step of its first timing, so that no timing pays
+    for the switch from the other side (the first one would, and a check's extrapolation
+    multiplies its fast-layer time's error by L / k).
+    Returns {side: {(depth, shape name): seconds a step}}; adds to `phases` where given."""
+    iters = eng.config.fast_iters
+    out: dict = {s: {} for s in sides}
+    for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
+        c, states = sides[side]
+        _time_steps(eng, c, states[plan[0][0]], plan[0][1], 1)
+        for d, sh in plan:
+            t0 = time.perf_counter()
+            out[side][d, sh.name] = _time_steps(eng, c, states[d], sh, iters)
+            t1 = time.perf_counter()
+            if d == "0" and sh.name in check:
+                out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh, iters)
+            if phases is not None:
+                phases["rounds_prefill" if sh.prefill else "rounds_decode"] += t1 - t0
+                phases["depth_check"] += time.perf_counter() - t1
+    return out
+
+
+def _depth_samples(eng, got: dict, check: set[str]) -> dict[str, float]:
+    """One side's round timings -> full-depth time over its extrapolation, by checked shape."""
+    k, L = len(eng.fast_layers), len(eng.state.layers)
+    out = {}
+    for name in check:
+        e = depth_estimate(got["0", name], got["k", name], k, L)
+        out[name] = got["L", name] / e if e > 0 else float("inf")
+    return out
+
+
+def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int]) -> dict:
+    """Whole rounds as the fast tier's (each drawn as a check round with the same odds) until
+    every shape in `need` has that many more check rounds; {side: {shape: [ratios]}}."""
+    out: dict = {s: {name: [] for name in need} for s in sides}
+    r = 0
+    while any(len(out["cand"][name]) < n for name, n in need.items()):
+        check = {name for name, n in need.items() if len(out["cand"][name]) < n and rng.random() < odds[name]}
+        got = _timed_round(eng, sides, plan, r, check)
+        for s in sides:
+            for name, x in _depth_samples(eng, got[s], check).items():
+                out[s][name].append(x)
+        r += 1
+    return out
+
+
+def _depth_check(eng, res: MeasureResult, depth: dict, recheck) -> None:
     """The extrapolation holds only if time grows with the layers run: a pass that pads its
-    no-layer step (or slows down at full depth) would look faster than it is. In the first
-    DEPTH_REPS timed rounds (DEPTH_REPS_PREFILL for the prefill) each side's checked shapes
-    were timed at full depth, at the fast layers and at none, back to back; each such round
-    gives full-depth time over its extrapolation, and the candidate's median ratio must stay
-    within the slack of the reference's (wider on the CPU, whose timings are noisier). Timed
-    together, the three share the machine's state of the moment. A shape that fails is
-    timed that many rounds again (`_depth_ratios`) and judged on those: a noisy spell of the
-    machine during the first look does not fail a correct pass, while padding shows in every
-    round and stays far outside the slack.
-    raw: each side's timings by (depth, shape); est: each side's per-round full-depth
-    estimates by shape; sides: each side's candidate and its states by depth."""
+    no-layer step (or slows down at full depth) would look faster than it is. In the check
+    rounds (drawn at random among the timed rounds, at least DEPTH_REPS of them; the prefill
+    DEPTH_REPS_PREFILL) each side's checked shapes were timed at the fast layers, at none and
+    at full depth, back to back; each such round gives full-depth time over its
+    extrapolation, and the candidate's median ratio must stay within the slack of the
+    reference's (wider on the CPU, whose timings are noisier). Timed together, the three share
+    the machine's state of the moment. A shape that fails is timed in twice as many check
+    rounds again (`recheck(shape, rounds)`, whole rounds drawn the same way) and judged on those: a
+    noisy spell of the machine during the first look does not fail a correct pass, while
+    padding shows in the check rounds as often as in the others and stays far outside the
+    slack. depth: each side's ratios by shape name."""
     kind = "cuda" if eng.cuda else "cpu"
     res.config["depth_check"] = {}  # shape -> side -> measured / extrapolated full-depth time
-    for sh in checked:
-        ratios = {s: [t / e if e > 0 else float("inf") for t, e in zip(timings["L", sh.name], est[s][sh.name])]
-                  for s, timings in raw.items()}  # the first rounds: those that timed L
-        ratio = {s: statistics.median(r) for s, r in ratios.items()}
+    for name, cand_ratios in depth["cand"].items():
+        ratio = {s: statistics.median(depth[s][name]) for s in depth}
+        rounds = len(cand_ratios)
         rechecked = ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]
         if rechecked:
-            more = _depth_ratios(eng, sides, sh, len(ratios["cand"]))
-            ratio = {s: statistics.median(more[s]) for s in ratios}
-        res.config["depth_check"][sh.name] = {s: round(r, 3) for s, r in ratio.items()}
-        res.config["depth_check"][sh.name]["repetitions"] = len(raw["cand"]["L", sh.name]) * (1 + rechecked)
-        res.config["depth_check"][sh.name]["rechecked"] = rechecked
+            more = recheck(name, 2 * rounds)
+            ratio = {s: statistics.median(more[s][name]) for s in depth}
+        res.config["depth_check"][name] = {s: round(r, 3) for s, r in ratio.items()}
+        res.config["depth_check"][name]["repetitions"] = rounds * (1 + 2 * rechecked)
+        res.config["depth_check"][name]["rechecked"] = rechecked
         if ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]:
-            res.violations.append(f"{sh.name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
+            res.violations.append(f"{name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
                                   f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
                                   f"does not grow with the layers it runs as it should")
-
-
-def _depth_ratios(eng, sides: dict, sh: Shape, rounds: int) -> dict[str, list[float]]:
-    """Each side's full-depth time of `sh` over its extrapolation, from `rounds` more rounds
-    that time full depth, the fast layers and none back to back (which side goes first
-    alternating), as the depth check's first rounds did."""
-    k, L, iters = len(eng.fast_layers), len(eng.state.layers), eng.config.fast_iters
-    out: dict[str, list[float]] = {s: [] for s in sides}
-    for r in range(rounds):
-        for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
-            c, states = sides[side]
-            t_full, t_k, t_0 = (_time_steps(eng, c, states[d], sh, iters) for d in ("L", "k", "0"))
-            e = depth_estimate(t_0, t_k, k, L)
-            out[side].append(t_full / e if e > 0 else float("inf"))
-    return out
 
 
 def _plausibility(eng, res: MeasureResult, setup: FastSetup) -> None:
