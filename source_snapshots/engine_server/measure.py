@@ -309,6 +309,7 @@ def fast(eng, cand) -> MeasureResult:
     # the depth check's shapes: the first decode shape, and the prefill when it is extrapolated;
     # in the rounds drawn for it, their full depth is timed right after their "k" and "0" timings
     checked = _depth_checked(eng, setup)
+    plan = _check_later(plan, checked[0].name)
     odds = {sh.name: _depth_odds(eng, sh) for sh in checked}
     rng = random.SystemRandom()
     sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
@@ -416,6 +417,18 @@ def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
     return checked + [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
 
 
+def _check_later(plan: list, name: str) -> list:
+    """`plan` with the timings of shape `name` moved after those of the shape that opened it
+    (when there is another): the first timing of each side's turn pays for the switch from
+    the other side, and a depth check's extrapolation multiplies the error of its shape's
+    fast-layer time by L / k."""
+    rest = [e for e in plan if e[1].name != name]
+    if not rest:
+        return plan
+    lead = [e for e in rest if e[1].name == rest[0][1].name]
+    return lead + [e for e in plan if e[1].name == name] + rest[len(lead):]
+
+
 def _depth_odds(eng, sh: Shape) -> float:
     """The chance that a timed round times `sh` at full depth too: DEPTH_REPS (the prefill:
     DEPTH_REPS_PREFILL) over the rounds the fast tier runs at least."""
@@ -431,15 +444,11 @@ def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: 
     """One round: each side (which goes first alternating with r) times every (depth, shape) of
     `plan`, and right after a shape's no-layer timing its full depth ("L") when the shape is in
     `check`: nothing a pass sees before its no-layer steps says whether the round checks them.
-    Each side's turn starts with one untimed step of its first timing, so that no timing pays
-    for the switch from the other side (the first one would, and a check's extrapolation
-    multiplies its fast-layer time's error by L / k).
     Returns {side: {(depth, shape name): seconds a step}}; adds to `phases` where given."""
     iters = eng.config.fast_iters
     out: dict = {s: {} for s in sides}
     for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
         c, states = sides[side]
-        _time_steps(eng, c, states[plan[0][0]], plan[0][1], 1)
         for d, sh in plan:
             t0 = time.perf_counter()
             out[side][d, sh.name] = _time_steps(eng, c, states[d], sh, iters)
