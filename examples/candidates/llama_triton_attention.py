@@ -217,9 +217,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _pdl_enter(PDL: tl.constexpr):
-        """At kernel entry. PDL == 2 (KNOBS["pdl"]["EARLY_TRIGGER"]): let the next kernel launch
-        now, so it can load its weights while this one runs (it still waits for this one's
-        results: griddepcontrol.wait waits for the whole grid before it, which waited for its own)."""
+        """At kernel entry. PDL == 2 (KNOBS["pdl"]["EARLY_TRIGGER"], or the kernel group's own
+        EARLY_TRIGGER): let the next kernel launch now, so it can load its weights while this
+        one runs (it still waits for this one's results: griddepcontrol.wait waits for the
+        whole grid before it, which waited for its own)."""
         if PDL == 2:
             tl.extra.cuda.gdc_launch_dependents()
 

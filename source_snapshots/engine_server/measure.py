@@ -332,7 +332,7 @@ def fast(eng, cand) -> MeasureResult:
     r = 0
     while stopped is None:
         i = r - cfg.warmup_rounds  # < 0: a warm-up round, its timings dropped
-        check = {name for name, p in odds.items() if i >= 0 and rng.random() < p}
+        check = _drawn(odds, rng, odds if i >= 0 else ())
         got = _timed_round(eng, sides, plan, r, check, phases)
         if i >= 0:
             for s in sides:
@@ -440,6 +440,11 @@ def _depth_least(eng, sh: Shape) -> int:
     return (DEPTH_REPS_PREFILL if sh.prefill else DEPTH_REPS)["cuda" if eng.cuda else "cpu"]
 
 
+def _drawn(odds: dict[str, float], rng, names) -> set[str]:
+    """The shapes among `names` that this round checks, each drawn with its odds."""
+    return {name for name in names if rng.random() < odds[name]}
+
+
 def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: dict | None = None) -> dict:
     """One round: each side (which goes first alternating with r) times every (depth, shape) of
     `plan`, and right after a shape's no-layer timing its full depth ("L") when the shape is in
@@ -477,7 +482,7 @@ def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str,
     out: dict = {s: {name: [] for name in need} for s in sides}
     r = 0
     while any(len(out["cand"][name]) < n for name, n in need.items()):
-        check = {name for name, n in need.items() if len(out["cand"][name]) < n and rng.random() < odds[name]}
+        check = _drawn(odds, rng, [name for name, n in need.items() if len(out["cand"][name]) < n])
         got = _timed_round(eng, sides, plan, r, check)
         for s in sides:
             for name, x in _depth_samples(eng, got[s], check).items():
