@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import emit, engine_args  # noqa: E402
 from benchmarks.forward_bench import find_knobs, leaves, neighbours, rewrite_knobs, with_value  # noqa: E402
-from engine_server.engine import Engine, EngineConfig  # noqa: E402
+from engine_server.engine import Engine, EngineConfig, fast_layers  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 from tkcc_mcp.agents import moves as M  # noqa: E402
 
@@ -214,15 +214,22 @@ def main() -> int:
 
 @contextlib.contextmanager
 def overrides(eng: Engine, fields: dict):
-    """The engine's (resolved) config with these fields changed, for the block only."""
+    """The engine's (resolved) config with these fields changed, for the block only
+    (fast_fraction too, on the CPU: the fast layers follow it; on CUDA the candidates' graphs
+    were captured for the engine's own)."""
     saved = {k: getattr(eng.config, k) for k in fields}
+    layers = eng.fast_layers
+    if "fast_fraction" in fields and eng.cuda:
+        raise SystemExit("--also-fast: fast_fraction can change only on the CPU (graphs are captured per depth)")
     try:
         for k, v in fields.items():
             setattr(eng.config, k, v)
+        eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction)
         yield
     finally:
         for k, v in saved.items():
             setattr(eng.config, k, v)
+        eng.fast_layers = layers
 
 
 if __name__ == "__main__":

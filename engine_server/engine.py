@@ -40,6 +40,15 @@ log = get_logger("engine")
 REFERENCE = "reference"
 
 
+def fast_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
+    """The layers the fast tier runs: `fraction` of them (at least one), spread evenly from the
+    first to the last (one: the middle one); all of them at fraction 1."""
+    n = min(num_layers, max(1, round(num_layers * fraction)))
+    if n == 1:
+        return (num_layers // 2,) if num_layers > 1 else (0,)
+    return tuple(sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)}))
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
         t0 = time.perf_counter()
@@ -66,9 +75,7 @@ class Engine:
         self.pad_slot = cfg.max_batch  # the last slot: padding rows and warm-up write here
         self.state = State(mcfg, weights, k, v, self.family.tables(mcfg, weights, max_seq, self.dtype, self.device),
                            tuple(range(mcfg.num_layers)))
-        n_fast = max(1, round(mcfg.num_layers * cfg.fast_fraction))
-        self.fast_layers = tuple(sorted({round(i * (mcfg.num_layers - 1) / max(1, n_fast - 1))
-                                         for i in range(n_fast)})) if n_fast > 1 else (mcfg.num_layers // 2,)
+        self.fast_layers = fast_layers(mcfg.num_layers, cfg.fast_fraction)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
         self.process_guard = ProcessGuard()

@@ -4,7 +4,8 @@ Fast tier (`fast`): an estimate of the full tier's speedup in seconds. Shapes: d
 batches at context lengths sampled from the trace (batch 1 and a batch of the trace's
 concurrency) and one prefill at the mean prompt length, capped as the full tier caps them,
 KV cache prefilled by the reference from real prompt text. Each decode shape is timed on a
-subset of the layers (engine.fast_layers, about a fifth) and on no layers; its full-depth
+subset of the layers (engine.fast_layers, about a fifth; with all of them, fast_fraction 1,
+every shape is timed at full depth and nothing below applies) and on no layers; its full-depth
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
 depth check times the batch-1 shape at full depth too, in rounds drawn at random, just
 after its fast-layer and no-layer timings: full depth over its extrapolation must match
@@ -305,11 +306,12 @@ def fast(eng, cand) -> MeasureResult:
     # shapes run at the fast layers ("k") and at none ("0"); with fast_prefill="full" the
     # prefill (one eager pass) at full depth ("L") instead
     depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
-    plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(cfg, sh) else ("k", "0"))]
-    # the depth check's shapes: the first decode shape, and the prefill when it is extrapolated;
-    # in the rounds drawn for it, their full depth is timed right after their "k" and "0" timings
+    plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(eng, sh) else ("k", "0"))]
+    # the depth check's shapes: the first decode shape, and the prefill, when extrapolated; in
+    # the rounds drawn for it, their full depth is timed right after their "k" and "0" timings
     checked = _depth_checked(eng, setup)
-    plan = _check_later(plan, checked[0].name)
+    if checked:
+        plan = _check_later(plan, checked[0].name)
     odds = {sh.name: _depth_odds(eng, sh) for sh in checked}
     rng = random.SystemRandom()
     sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
@@ -323,7 +325,7 @@ def fast(eng, cand) -> MeasureResult:
 
     def estimate(s: str, sh: Shape, i: int) -> float:
         """Round i's full-depth estimate of one shape on side s."""
-        if _full_depth(cfg, sh):
+        if _full_depth(eng, sh):
             return raw[s]["L", sh.name][i]
         return depth_estimate(raw[s]["0", sh.name][i], raw[s]["k", sh.name][i], k, L)
     # paired per round: drift of the machine between rounds cancels in each ratio
@@ -405,16 +407,18 @@ def fast(eng, cand) -> MeasureResult:
     return res
 
 
-def _full_depth(cfg, sh: Shape) -> bool:
-    """Whether the fast tier times this shape at full depth rather than extrapolating it."""
-    return sh.prefill and cfg.fast_prefill == "full"
+def _full_depth(eng, sh: Shape) -> bool:
+    """Whether the fast tier times this shape at full depth rather than extrapolating it: when
+    its fast layers are all the layers (fast_fraction 1), or it is the prefill and
+    fast_prefill is "full"."""
+    return len(eng.fast_layers) == len(eng.state.layers) or (sh.prefill and eng.config.fast_prefill == "full")
 
 
 def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
-    """The shapes whose extrapolation the depth check tests: the first decode shape, and the
-    prefill when it is extrapolated too."""
-    checked = [next(s for s in setup.shapes if not s.prefill)]
-    return checked + [s for s in setup.shapes if s.prefill and not _full_depth(eng.config, s)]
+    """The shapes whose extrapolation the depth check tests: the first decode shape and the
+    prefill, each when it is extrapolated (none when all are timed at full depth)."""
+    first = next(s for s in setup.shapes if not s.prefill)
+    return [s for s in setup.shapes if (s is first or s.prefill) and not _full_depth(eng, s)]
 
 
 def _check_later(plan: list, name: str) -> list:
@@ -540,7 +544,8 @@ def _config(eng) -> dict:
             "min_rounds": c.fast_min_rounds, "target_ci": c.fast_ci,
             "iters": c.fast_iters, "prefill": c.fast_prefill, "warmup_rounds": c.warmup_rounds,
             "graphs": eng.cuda and c.capture_graphs,
-            "depth": "t0 + (tk - t0) * L / k from no layers and the fast layers",
+            "depth": "every shape at all layers" if len(eng.fast_layers) == len(eng.state.layers)
+            else "t0 + (tk - t0) * L / k from no layers and the fast layers",
             "weights": {s.name: round(s.weight, 3) for s in eng.fast_setup.shapes}}
 
 

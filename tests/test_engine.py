@@ -293,6 +293,33 @@ def test_fast_prefill_layers_extrapolates_and_depth_checks_the_prefill(llama_eng
         EngineConfig(fast_prefill="half").resolved()
 
 
+def test_fast_layers_spread_from_first_to_last():
+    from engine_server.engine import fast_layers
+    assert fast_layers(16, 0.2) == (0, 8, 15)
+    assert fast_layers(4, 0.2) == (2,) and fast_layers(1, 0.2) == (0,)
+    assert fast_layers(4, 1.0) == (0, 1, 2, 3) and fast_layers(4, 3.0) == (0, 1, 2, 3)
+
+
+def test_fast_fraction_one_times_every_shape_at_full_depth(llama_engine):
+    """With all layers as the fast layers nothing is extrapolated: every shape is timed at
+    full depth, with no no-layer timings and no depth check."""
+    from engine_server.engine import fast_layers
+    eng = llama_engine
+    saved = eng.fast_layers
+    L = len(eng.state.layers)
+    copy = eng.submit_forward_pass(reference_source(eng))
+    assert copy.ok
+    try:
+        eng.fast_layers = fast_layers(L, 1.0)
+        fm = eng.measure_fast(copy.candidate_id)
+    finally:
+        eng.fast_layers = saved
+    assert fm.valid, fm.violations
+    assert fm.layers == list(range(L)) and fm.config["depth_check"] == {}
+    assert fm.config["depth"] == "every shape at all layers" and fm.config["phases_s"]["rounds_prefill"] > 0
+    assert {s.shape.split()[0] for s in fm.shapes} == {"decode", "prefill"}
+
+
 def test_prepare_scratch_is_counted_and_usable(llama_engine):
     src = ("import torch\nfrom engine_server.models import llama as ref\n"
            "def prepare(state):\n    state.scratch['ones'] = torch.ones(1000)\n"

@@ -90,7 +90,7 @@ class EngineConfig:
     traffic: str = ""  # trace file; default: the packaged Azure LLM code trace
     max_batch: int = 8
     max_seq: int = 0  # KV cache positions per slot (CPU 512, CUDA 4096)
-    fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one)
+    fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one; 1: full depth, nothing extrapolated)
     fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
     fast_rounds: int = 0  # timed A/B rounds, at most (CPU 21, CUDA 15)
     fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (CPU 9, CUDA 5)
