@@ -44,13 +44,13 @@ each attention split's first block of earlier steps' K/V, with EARLY_INPUTS the 
 position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
-- `BUDGET_S=0 bash benchmarks/h200.sh forward` (h200_forward_llama-3.2-1b.json), one run:
-  these KNOBS 1,142 tok/s (876 us a token), llama_triton_decode_h200.py (online softmax,
-  RoPE fused into attention, PREFETCH_O, no PRELOAD_KV, EARLY_INPUTS, norm EARLY_TRIGGER,
-  qkv PRE 4, gate_up PRE 1, L2 priorities) 1,234 (810 us), against the engine reference's
-  507, torch.compile(reduce-overhead)'s 745 and HF's 53 (each step's greedy choice by
-  engine_server.greedy); tolerance gate (winner: error 1.78 from the float32 reference
-  against the bf16 reference's own 1.79), not bitwise.
+- The forward run of h200_forward_llama-3.2-1b.json (its `command`), one run: these KNOBS
+  1,137 tok/s (879 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
+  attention, no PRELOAD_KV, EARLY_INPUTS, attention num_stages 2, norm and combine
+  EARLY_TRIGGER, qkv PRE 4, o PRE 4, gate_up PRE 1, L2 priorities) 1,264.5 (791 us), against
+  the engine reference's 507, torch.compile(reduce-overhead)'s 742 and HF's 52 (each step's
+  greedy choice by engine_server.greedy); tolerance gate (identical greedy tokens), not
+  bitwise.
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
   latency-bound) and qkv 4 -> 8 (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json);
   then the loads before the wait (h200_variants_preload*.json): the norm weight (+0.8%),
@@ -64,7 +64,10 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   alone +0.0%: the early launch is what gives the loads time); weights evict-first in L2
   +1.2%; qkv PRE 4 +0.8% once its kernel launches early. Slower: the attention splits merged
   inside o_proj's GEMV (-7 to -18%), PIPE on gate_up (-5.5%: one program per SM, two waves;
-  h200_variants_pipe.json), the combine kernel's early trigger (-0.2 to -5%).
+  h200_variants_pipe.json), the combine kernel's early trigger alone (-0.2 to -5%).
+- Then (h200_variants_stages*.json): attention num_stages 2 +0.7-0.9%; with it, the combine
+  kernel's early trigger and all of o_proj's share of K loaded before the wait (o PRE 4) in
+  place of the L2 prefetch of its weight (PREFETCH_O) +1.1%.
 - The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
   preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
   bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top
