@@ -303,8 +303,8 @@ def fast(eng, cand) -> MeasureResult:
         setup.weigh(eng.replay_schedule)
     ref = eng.candidates["reference"]
     L, k = len(eng.state.layers), len(eng.fast_layers)
-    # shapes run at the fast layers ("k") and at none ("0"); with fast_prefill="full" the
-    # prefill (one eager pass) at full depth ("L") instead
+    # shapes run at the fast layers ("k") and at none ("0"); at full depth ("L") instead when
+    # the fast layers are all of them, or for the prefill (one eager pass) with fast_prefill="full"
     depths = {"k": eng.fast_layers, "0": (), "L": eng.state.layers}
     plan = [(d, sh) for sh in setup.shapes for d in (("L",) if _full_depth(eng, sh) else ("k", "0"))]
     # the depth check's shapes: the first decode shape, and the prefill, when extrapolated; in
