@@ -411,7 +411,12 @@ def _full_depth(eng, sh: Shape) -> bool:
     """Whether the fast tier times this shape at full depth rather than extrapolating it: when
     its fast layers are all the layers (fast_fraction 1), or it is the prefill and
     fast_prefill is "full"."""
-    return len(eng.fast_layers) == len(eng.state.layers) or (sh.prefill and eng.config.fast_prefill == "full")
+    return _every_layer(eng) or (sh.prefill and eng.config.fast_prefill == "full")
+
+
+def _every_layer(eng) -> bool:
+    """Whether the fast layers are all the layers (fast_fraction 1): nothing to extrapolate."""
+    return len(eng.fast_layers) == len(eng.state.layers)
 
 
 def _depth_checked(eng, setup: FastSetup) -> list[Shape]:
@@ -544,7 +549,7 @@ def _config(eng) -> dict:
             "min_rounds": c.fast_min_rounds, "target_ci": c.fast_ci,
             "iters": c.fast_iters, "prefill": c.fast_prefill, "warmup_rounds": c.warmup_rounds,
             "graphs": eng.cuda and c.capture_graphs,
-            "depth": "every shape at all layers" if len(eng.fast_layers) == len(eng.state.layers)
+            "depth": "every shape at all layers" if _every_layer(eng)
             else "t0 + (tk - t0) * L / k from no layers and the fast layers",
             "weights": {s.name: round(s.weight, 3) for s in eng.fast_setup.shapes}}
 

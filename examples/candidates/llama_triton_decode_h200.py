@@ -521,6 +521,22 @@ if HAVE_TRITON:
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
+    def _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot, stride_cos, d,
+                     FUSE_ROPE: tl.constexpr):
+        """Row b's position and slot, and with FUSE_ROPE the RoPE table rows at that position
+        ([1, HD] float32; without it zeros, unused): the step's inputs and tables, which no
+        kernel of the step writes."""
+        pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+        slot = tl.load(slot_ptr + b * stride_slot)
+        if FUSE_ROPE:
+            c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+            sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+        else:
+            c = tl.zeros_like(d).to(tl.float32)[None, :]
+            sn = c
+        return pos, slot, c, sn
+
+    @triton.jit
     def _kv_tile(base, s_seq, offs, valid, d, EV: tl.constexpr):
         """The cache rows `offs` ([BLOCK_S, HD]) of one (slot, kv head); zeros where not valid.
         EV: the loads' L2 eviction policy ("" default, or "evict_last")."""
@@ -598,11 +614,8 @@ if HAVE_TRITON:
         _pdl_enter(PDL)
         d = tl.arange(0, HD)
         if PRELOAD_KV or EARLY_INPUTS:  # the step's inputs and tables: before the wait
-            pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
-            slot = tl.load(slot_ptr + b * stride_slot)
-            if FUSE_ROPE:
-                c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
-                sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+            pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
+                                            stride_cos, d, FUSE_ROPE)
         if PDL:
             if PF_CHUNK > 0:
                 nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
@@ -614,11 +627,8 @@ if HAVE_TRITON:
         if not PRELOAD_KV:
             _pdl_wait(PDL)
             if not EARLY_INPUTS:
-                pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
-                slot = tl.load(slot_ptr + b * stride_slot)
-                if FUSE_ROPE:
-                    c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
-                    sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)[None, :]
+                pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
+                                                stride_cos, d, FUSE_ROPE)
         n = pos + 1
         per = (n + NSPLIT - 1) // NSPLIT
         chunk = (per + BLOCK_S - 1) // BLOCK_S * BLOCK_S
