@@ -3,9 +3,10 @@ llama_triton_decode.py with online softmax, RoPE and the K/V write fused into at
 (without PRELOAD_KV, its inputs loaded before the PDL wait, two pipeline stages), and
 kernels that let the next one launch at their entry (the norms and the attention combine)
 so that all of qkv's and o_proj's weight shares and gate_up's first K step load while the
-kernel before runs; L2 priorities (weights evict-first, K/V evict-last).
-1,264.5 tok/s (791 us a token): 2.49x the engine reference's 507.3, 1.70x torch.compile's
-742.2, 24.3x HF's 52.1 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
+kernel before runs; L2 priorities (weights evict-first, K/V evict-last); the norms on 32
+warps and the combine on one.
+1,280.0 tok/s (781 us a token): 2.52x the engine reference's 507.8, 1.76x torch.compile's
+728.3, 15.0x HF's 85.5 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
 Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the
 tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart
 at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py
@@ -58,12 +59,12 @@ position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
 - The forward run of h200_forward_llama-3.2-1b.json (its `command`), one run: these KNOBS
-  1,137 tok/s (879 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
+  1,140 tok/s (878 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
   attention, no PRELOAD_KV, EARLY_INPUTS, attention num_stages 2, norm and combine
-  EARLY_TRIGGER, qkv PRE 4, o PRE 4, gate_up PRE 1, L2 priorities) 1,264.5 (791 us), against
-  the engine reference's 507, torch.compile(reduce-overhead)'s 742 and HF's 52 (each step's
-  greedy choice by engine_server.greedy); tolerance gate (identical greedy tokens), not
-  bitwise.
+  EARLY_TRIGGER, qkv PRE 4, o PRE 4, gate_up PRE 1, L2 priorities, norm 32 warps, combine 1)
+  1,280.0 (781 us), against the engine reference's 508, torch.compile(reduce-overhead)'s 728
+  and HF's 86 (each step's greedy choice by engine_server.greedy); tolerance gate (identical
+  greedy tokens), not bitwise.
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
   latency-bound) and qkv 4 -> 8 (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json);
   then the loads before the wait (h200_variants_preload*.json): the norm weight (+0.8%),
@@ -81,6 +82,9 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
 - Then (h200_variants_stages*.json): attention num_stages 2 +0.7-0.9%; with it, the combine
   kernel's early trigger and all of o_proj's share of K loaded before the wait (o PRE 4) in
   place of the L2 prefetch of its weight (PREFETCH_O) +1.1%.
+- Then (h200_variants_warps*.json): the norms on 32 warps and the combine on one +0.9% (+1.3%
+  in the forward run). Slower: other sequence splits (NSPLIT 8, or 32 of 32 keys: -1.4 to
+  -2.3%), attention on 2 warps or one stage, any other SPLIT_K of qkv, o or down (-0.3 to -7%).
 - The KNOBS below keep exact softmax and the RoPE kernel: with online softmax the shrunk
   preset fails the tolerance gate on the GPU by a near tie (its attention stays within 1-2
   bf16 ulps of exact softmax, but the greedy tokens part at a step where the reference's top
@@ -143,8 +147,8 @@ KNOBS = {
     # EARLY_TRIGGER (with PDL): this group's kernels let the next kernel launch at their entry
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
     # a kernel earlier; the next kernel still waits for this one's results
-    "combine": {"num_warps": 2, "EARLY_TRIGGER": True},
-    "norm": {"num_warps": 16, "EARLY_TRIGGER": True},
+    "combine": {"num_warps": 1, "EARLY_TRIGGER": True},
+    "norm": {"num_warps": 32, "EARLY_TRIGGER": True},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
