@@ -212,6 +212,42 @@ def test_depth_check_rounds_are_drawn_at_random(llama_engine):
         assert check["repetitions"] >= measure.DEPTH_REPS["cpu"] * (1 + 2 * check["rechecked"]), check
 
 
+# a reference copy that logs the depth (layers run) and tokens of every call
+DEPTH_LOGGER = """
+from engine_server.models import llama as ref
+
+CALLS = []
+
+
+def forward(state, batch):
+    CALLS.append((len(state.layers), batch.seq_len))
+    return ref.forward(state, batch)
+"""
+
+
+def test_warm_up_rounds_are_drawn_as_check_rounds_too(llama_engine):
+    """A pass that pads until it has seen a full-depth step (tests/cheaters/depth_counter.py
+    when only its prefill is eager, as under CUDA graphs) must not get the first timed rounds
+    for free: the warm-up rounds draw check rounds as the timed ones do (here every round:
+    odds 1 with fast_min_rounds = DEPTH_REPS), so a full-depth step comes in the first round."""
+    eng, cfg = llama_engine, llama_engine.config
+    r = eng.submit_forward_pass(DEPTH_LOGGER)
+    calls = eng.candidates[r.candidate_id].module.CALLS
+    L, k = len(eng.state.layers), len(eng.fast_layers)
+    saved = cfg.fast_min_rounds
+    try:
+        cfg.fast_min_rounds = measure.DEPTH_REPS["cpu"]
+        calls.clear()
+        fm = eng.measure_fast(r.candidate_id)
+    finally:
+        cfg.fast_min_rounds = saved
+    assert fm.valid, fm.violations
+    assert cfg.warmup_rounds >= 1
+    # the first round: each shape's fast-layer and no-layer steps, the checked ones' full depth
+    prefill_k = [i for i, (n, t) in enumerate(calls) if n == k and t > 1]
+    first_full = next(i for i, (n, _) in enumerate(calls) if n == L)
+    assert first_full < prefill_k[1], calls[:prefill_k[1] + 1]
+
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
     r = llama_engine.submit_forward_pass(reference_source(llama_engine))
     cfg = llama_engine.config
@@ -378,3 +414,20 @@ def test_depth_check_bench_reports_each_setting(tmp_path):
         assert len(s["copies_relative"]) == 2 and s["padders"] == 1, s
         assert s["padders_caught"] == 1 and min(s["padders_relative"]) > res["slack"], s
         assert 0 < s["depth_check_s_p50"] < s["fast_s_p50"], s
+
+
+def test_cheater_trace_logs_what_the_cheater_sees(tmp_path):
+    """benchmarks/cheater_trace.py: on the CPU the counting cheater sees every call, pads the
+    no-layer steps it thinks unchecked, and is caught; its trace holds those calls."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/cheater_trace.py", "--shrink", "--device", "cpu", "--n", "1",
+                          "depth_counter"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    assert run["exact"] and not run["valid"] and not run["graphs"], run
+    trace = run["trace"]
+    assert run["padded_decodes"] > 0 and "Ld" in trace and ("0p" in trace or "Pp" in trace), trace[:200]
+    assert any("grow with the layers" in v for v in run["violations"]), run["violations"]

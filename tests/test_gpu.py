@@ -34,8 +34,11 @@ def test_cheaters_caught_on_cuda(cuda_engine, name):
         return
     ex = cuda_engine.check_bit_exact(r.candidate_id)
     fm = cuda_engine.measure_fast(r.candidate_id)
-    # caught, or (side streams inside a captured graph are joined by the capture) no gain at all
-    assert not (ex.exact and fm.valid) or (r.graphs and fm.speedup < 1.05), (name, ex, fm)
+    # caught, or (side streams inside a captured graph are joined by the capture; a pass that
+    # adapts to what it sees runs eagerly only in the prefill) no gain the fast tier can tell
+    # from a reference copy's noise: as for the copy above, its interval holds 1 or it is within 5%
+    no_gain = fm.speedup_ci95[0] <= 1.0 <= fm.speedup_ci95[1] or abs(fm.speedup - 1) < 0.05
+    assert not (ex.exact and fm.valid) or (r.graphs and no_gain), (name, ex, fm)
 
 
 def test_side_stream_caught_when_run_eagerly():

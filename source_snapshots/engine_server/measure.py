@@ -334,7 +334,10 @@ def fast(eng, cand) -> MeasureResult:
     r = 0
     while stopped is None:
         i = r - cfg.warmup_rounds  # < 0: a warm-up round, its timings dropped
-        check = _drawn(odds, rng, odds if i >= 0 else ())
+        # warm-up rounds are drawn as check rounds too (their samples dropped as well): a pass
+        # that pads until it has seen a full-depth step would otherwise pad the first timed
+        # rounds for free, and a few padded rounds move a noisy median by a rank or two
+        check = _drawn(odds, rng, odds)
         got = _timed_round(eng, sides, plan, r, check, phases)
         if i >= 0:
             for s in sides:
