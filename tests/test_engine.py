@@ -181,7 +181,8 @@ def forward(state, batch):
 def test_depth_check_recheck_clears_a_slow_first_look(llama_engine):
     """The engine's own recheck: the first look's full-depth steps run 8x slow, the recheck's at
     speed; the pass is valid and says it was rechecked. (The rounds are fixed at DEPTH_REPS, so
-    every round is a check round and the first look's steps can be counted.)"""
+    every round is a check round and the first look's steps, the warm-up rounds' included, can
+    be counted.)"""
     r = llama_engine.submit_forward_pass(FIRST_LOOK_SLOW)
     assert r.ok, r.error
     cfg = llama_engine.config
@@ -189,7 +190,8 @@ def test_depth_check_recheck_clears_a_slow_first_look(llama_engine):
     try:
         cfg.fast_rounds = cfg.fast_min_rounds = measure.DEPTH_REPS["cpu"]
         armed = llama_engine.candidates[r.candidate_id].module.armed
-        armed[0] = measure.DEPTH_REPS["cpu"] * cfg.fast_iters  # the first look's steps
+        # the first look's steps: the warm-up rounds draw check rounds too
+        armed[0] = (cfg.warmup_rounds + measure.DEPTH_REPS["cpu"]) * cfg.fast_iters
         fm = llama_engine.measure_fast(r.candidate_id)
     finally:
         cfg.fast_rounds, cfg.fast_min_rounds = saved
