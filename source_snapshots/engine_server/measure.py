@@ -50,7 +50,8 @@ BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plau
 # with the chance DEPTH_REPS / fast_min_rounds, drawn from the OS's entropy (`_depth_odds`):
 # no pass can tell which rounds will be checked, so one that pads its no-layer steps in more
 # than half the rounds (what it takes to move the median) shows it in about as many of the
-# check rounds (tests/cheaters/depth_counter.py). (CPU: 3 decode rounds give the verdicts 5
+# check rounds (tests/cheaters/depth_counter.py); the warm-up rounds are drawn the same way, so
+# the first full-depth step may come in the first round. (CPU: 3 decode rounds give the verdicts 5
 # gave, reference copies passing and the depth padder of tests/cheaters far outside:
 # benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2 rounds judged their mean,
 # which one preempted timing on a loaded host swung both ways)
