@@ -224,7 +224,8 @@ def overrides(eng: Engine, fields: dict):
     try:
         for k, v in fields.items():
             setattr(eng.config, k, v)
-        eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction)
+        if "fast_fraction" in fields:
+            eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction)
         yield
     finally:
         for k, v in saved.items():

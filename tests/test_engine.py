@@ -250,6 +250,7 @@ def test_warm_up_rounds_are_drawn_as_check_rounds_too(llama_engine):
     first_full = next(i for i, (n, _) in enumerate(calls) if n == L)
     assert first_full < prefill_k[1], calls[:prefill_k[1] + 1]
 
+
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
     r = llama_engine.submit_forward_pass(reference_source(llama_engine))
     cfg = llama_engine.config

@@ -14,8 +14,8 @@ def cuda_engine():
 
 
 def _no_gain(fm) -> bool:
-    """A fast-tier speedup a reference copy's noise explains: its interval holds 1, or it is
-    within 5% of 1."""
+    """A fast-tier speedup a reference copy's noise explains (as the copy's own test allows):
+    its interval holds 1, or it is within 5% of 1."""
     return fm.speedup_ci95[0] <= 1.0 <= fm.speedup_ci95[1] or abs(fm.speedup - 1) < 0.05
 
 
@@ -26,7 +26,7 @@ def test_reference_copy_is_exact_under_graphs(cuda_engine):
     ex = cuda_engine.check_bit_exact(r.candidate_id)
     assert ex.exact, ex
     fm = cuda_engine.measure_fast(r.candidate_id)
-    assert fm.valid and _no_gain(fm), fm
+    assert fm.valid and fm.speedup_ci95[0] <= 1.0 <= fm.speedup_ci95[1] or abs(fm.speedup - 1) < 0.05, fm
     full = cuda_engine.measure_full(r.candidate_id)
     assert full.valid and full.tokens_match == 1.0
     p = cuda_engine.submit_forward_pass(perturbed_source(cuda_engine))
