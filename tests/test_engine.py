@@ -434,3 +434,23 @@ def test_cheater_trace_logs_what_the_cheater_sees(tmp_path):
     trace = run["trace"]
     assert run["padded_decodes"] > 0 and "Ld" in trace and ("0p" in trace or "Pp" in trace), trace[:200]
     assert any("grow with the layers" in v for v in run["violations"]), run["violations"]
+
+
+def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
+    """benchmarks/round_noise_bench.py: every round kept, a spread per timing, three estimates'
+    spreads at each round count asked for."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/round_noise_bench.py", "--shrink", "--device", "cpu",
+                          "--n", "3", "--rounds", "4", "--at", "2,4"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    names = list(res["weights"])
+    assert sorted(res["timings_log_ratio"]) == sorted(f"{d}|{n}" for n in names for d in "k0")
+    assert list(res["estimate_log_spread"]) == ["2", "4"]
+    for row in res["estimate_log_spread"].values():
+        assert set(row) == {"median_of_rounds", "per_timing_medians", "hodges_lehmann"} and min(row.values()) >= 0
+    assert res["call_s_p50"] > 0

@@ -1,0 +1,106 @@
+"""Where the fast tier's noise comes from: reference copies measured with every round kept.
+
+    python benchmarks/round_noise_bench.py --shrink --device cpu --n 40 --rounds 21
+
+Each call runs `--rounds` timed rounds (no early stop) and the timings of every round are
+kept. For each timing (a shape at the fast layers or at none) the card gives the spread of
+its log ratio against the reference's timing in the same round: robust (IQR / 1.349) and the
+5-95% range, which together say whether the noise is a steady jitter or rare outliers. Then,
+truncating each call to its first n rounds, the spread across calls of three estimates of the
+speedup (a copy's is 1): the fast tier's (the median of per-round ratios of the weighted
+sums), per-timing medians of the paired ratios combined, and Hodges-Lehmann of the per-round
+ratios. `--set` takes EngineConfig overrides as JSON. Prints a card, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import emit, engine_args  # noqa: E402
+from engine_server import measure  # noqa: E402
+from engine_server.engine import Engine, EngineConfig  # noqa: E402
+from engine_server.results import hardware  # noqa: E402
+from engine_server.selfcheck import reference_source  # noqa: E402
+
+
+def spread(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=20)
+    return {"robust": round((q[14] - q[4]) / 1.349, 4), "p5": round(q[0], 4), "p95": round(q[18], 4)}
+
+
+def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
+    """The three estimates of one call's speedup from its rounds ({side: {timing: s}})."""
+    def total(t: dict) -> float:
+        return sum(w * measure.depth_estimate(t[f"0|{n}"], t[f"k|{n}"], k, layers) for n, w in weights.items())
+    per_round = [math.log(total(r["ref"]) / total(r["cand"])) for r in rounds]
+    keys = list(rounds[0]["ref"])
+    ref = {t: statistics.median(r["ref"][t] for r in rounds) for t in keys}
+    cand = {t: ref[t] * statistics.median(r["cand"][t] / r["ref"][t] for r in rounds) for t in keys}
+    walsh = [(a + b) / 2 for i, a in enumerate(per_round) for b in per_round[i:]]
+    return {"median_of_rounds": statistics.median(per_round), "per_timing_medians": math.log(total(ref) / total(cand)),
+            "hodges_lehmann": statistics.median(walsh)}
+
+
+def main() -> int:
+    p = engine_args(argparse.ArgumentParser())
+    p.add_argument("--n", type=int, default=40, help="reference copies measured")
+    p.add_argument("--rounds", type=int, default=21, help="timed rounds per call, all kept")
+    p.add_argument("--at", default="4,6,9,14,20", help="round counts the estimates are compared at")
+    p.add_argument("--set", default="{}", help="JSON: EngineConfig overrides")
+    a = p.parse_args()
+    at = [int(x) for x in a.at.split(",") if int(x) <= a.rounds]
+    calls: list[list[dict]] = []
+    timed_round = measure._timed_round
+
+    def keep(eng, sides, plan, r, check, phases=None):
+        got = timed_round(eng, sides, plan, r, check, phases)
+        if phases is not None:  # the call's own rounds (not its depth check's extra ones)
+            calls[-1].append({s: {f"{d}|{n}": v for (d, n), v in got[s].items() if d != "L"} for s in got})
+        return got
+    measure._timed_round = keep  # before the engine snapshots the module (guards.ProcessGuard)
+    try:
+        over = json.loads(a.set) | {"fast_rounds": a.rounds, "fast_min_rounds": a.rounds}
+        eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, **over))
+        source = reference_source(eng)
+        secs = []
+        for i in range(a.n + 1):  # the first call pays one-off costs and is dropped
+            r = eng.submit_forward_pass(source + f"\n# copy {i}\n")
+            calls.append([])
+            t = time.perf_counter()
+            fm = eng.measure_fast(r.candidate_id)
+            secs.append(time.perf_counter() - t)
+            assert fm.ok and fm.valid, (fm.error, fm.violations)
+    finally:
+        measure._timed_round = timed_round
+    warm = eng.config.warmup_rounds
+    calls = [c[warm:warm + a.rounds] for c in calls[1:]]
+    weights = {s.name: s.weight for s in eng.fast_setup.shapes}
+    k, layers = len(eng.fast_layers), len(eng.state.layers)
+    timings = {t: spread([math.log(r["cand"][t] / r["ref"][t]) for c in calls for r in c]) for t in calls[0][0]["ref"]}
+    per_n = {}
+    for n in at:
+        est = [estimates(c[:n], weights, k, layers) for c in calls]
+        per_n[n] = {name: round(statistics.pstdev(e[name] for e in est), 4) for name in est[0]}
+    res = {"bench": "round_noise", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
+           "rounds": a.rounds, "overrides": json.loads(a.set), "weights": weights,
+           "call_s_p50": statistics.median(secs[1:]), "timings_log_ratio": timings,
+           "estimate_log_spread": per_n, "hardware": hardware(a.device).model_dump()}
+    print(f"== fast-tier noise, {a.model}{' shrunk' if a.shrink else ''} on {a.device}: {a.n} reference copies, "
+          f"{a.rounds} rounds each")
+    print("a timing's log ratio against the reference's in the same round:")
+    for t, s in timings.items():
+        print(f"  {t:34s} robust {s['robust']:.4f}   5% {s['p5']:+.3f}   95% {s['p95']:+.3f}")
+    print("spread of a call's log speedup across calls, by the rounds it keeps:")
+    for n, row in per_n.items():
+        print(f"  {n:3d} rounds: " + "   ".join(f"{name} {v:.4f}" for name, v in row.items()))
+    return emit(res, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
