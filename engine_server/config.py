@@ -95,7 +95,7 @@ class EngineConfig:
     fast_rounds: int = 0  # timed A/B rounds, at most (CPU 21, CUDA 15)
     fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (CPU 9, CUDA 5)
     fast_ci: float = 0.0  # stop once the speedup's 95% CI is within +-this share of it (CPU 0.05, CUDA 0.01; < 0: off)
-    fast_iters: int = 0  # decode steps per round and side (CPU 3, CUDA 10)
+    fast_iters: int = 0  # steps per timing of the heaviest decode shape (CPU 3, CUDA 10; lighter ones fewer)
     fast_prefill: str = "layers"  # "layers": the prefill timed at the fast layers and at none,
     # extrapolated as the decode shapes are (and depth-checked); "full": timed at full depth
     # (H200: Spearman 0.986 against the full tier with "layers", 0.994 with "full", 0.90 s a

@@ -11,7 +11,9 @@ depth check times the batch-1 shape at full depth too, in rounds drawn at random
 after its fast-layer and no-layer timings: full depth over its extrapolation must match
 the reference's. The prefill is extrapolated and depth-checked as the decode shapes are
 (`fast_prefill="layers"`, the default), or timed at full depth (one eager pass, "full").
-The shapes are weighted by how many ops of their kind the full tier's schedule holds.
+The shapes are weighted by how many ops of their kind the full tier's schedule holds, and a
+decode shape's steps per timing follow its weight: fast_iters for the heaviest, fewer (at least
+one) for a lighter one, whose noise moves the weighted sum less (`FastSetup.weigh`).
 
 Full tier (`full`): all layers, a replay of the trace: its first requests, lengths capped by
 config, arrivals in trace time, up to max_batch requests decoding together. The schedule
@@ -149,6 +151,7 @@ class Shape:
     contexts: list[int]
     prefill: bool = False
     weight: float = 1.0  # how many ops of this kind the full tier's replay runs (see FastSetup.weigh)
+    iters: int = 1  # steps per timing (decode: set by FastSetup.weigh; a prefill is one eager pass)
 
     @property
     def size(self) -> int:
@@ -212,10 +215,14 @@ class FastSetup:
         setup.step_bytes = layer_bytes + head
         return setup
 
-    def weigh(self, sched: "Schedule") -> None:
+    def weigh(self, sched: "Schedule", iters: int) -> None:
         """Weights from the full tier's schedule: the prefill shape counts for all prefill
         tokens (prefill time grows with tokens), single-row decode ops are shared by the
-        batch-1 shapes, batched ones go to the wide shape."""
+        batch-1 shapes, batched ones go to the wide shape. Steps per timing: `iters` for the
+        heaviest decode shape, a lighter one in proportion to its weight, at least one (its
+        timing's noise counts in the weighted sum in proportion to its weight, so its steps are
+        spent where they narrow the estimate: the CPU's wide shape, 6 ops against the batch-1
+        shape's 57, costs a third of a round at 3 steps)."""
         pre = [op for op in sched.ops if op.kind == "prefill"]
         dec = [op for op in sched.ops if op.kind == "decode"]
         one = [s for s in self.shapes if not s.prefill and s.size == 1]
@@ -229,6 +236,10 @@ class FastSetup:
                 s.weight = sum(op.batch.seq_len for op in pre) / s.batch.seq_len
             else:
                 s.weight = (n_one / len(one)) if s.size == 1 else n_wide / len(wide)
+        top = max((s.weight for s in self.shapes if not s.prefill), default=0.0)
+        for s in self.shapes:
+            if not s.prefill:
+                s.iters = max(1, round(iters * s.weight / top)) if top > 0 else iters
         self.weighted = True
 
 
@@ -301,7 +312,7 @@ def fast(eng, cand) -> MeasureResult:
     if not setup.weighted:
         if eng.replay_schedule is None:
             eng.replay_schedule = build_schedule(eng)
-        setup.weigh(eng.replay_schedule)
+        setup.weigh(eng.replay_schedule, cfg.fast_iters)
     ref = eng.candidates["reference"]
     L, k = len(eng.state.layers), len(eng.fast_layers)
     # shapes run at the fast layers ("k") and at none ("0"); at full depth ("L") instead when
@@ -463,16 +474,15 @@ def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: 
     `plan`, and right after a shape's no-layer timing its full depth ("L") when the shape is in
     `check`: nothing a pass sees before its no-layer steps says whether the round checks them.
     Returns {side: {(depth, shape name): seconds a step}}; adds to `phases` where given."""
-    iters = eng.config.fast_iters
     out: dict = {s: {} for s in sides}
     for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
         c, states = sides[side]
         for d, sh in plan:
             t0 = time.perf_counter()
-            out[side][d, sh.name] = _time_steps(eng, c, states[d], sh, iters)
+            out[side][d, sh.name] = _time_steps(eng, c, states[d], sh, sh.iters)
             t1 = time.perf_counter()
             if d == "0" and sh.name in check:
-                out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh, iters)
+                out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh, sh.iters)
             if phases is not None:
                 phases["rounds_prefill" if sh.prefill else "rounds_decode"] += t1 - t0
                 phases["depth_check"] += time.perf_counter() - t1
@@ -555,7 +565,8 @@ def _config(eng) -> dict:
             "graphs": eng.cuda and c.capture_graphs,
             "depth": "every shape at all layers" if _every_layer(eng)
             else "t0 + (tk - t0) * L / k from no layers and the fast layers",
-            "weights": {s.name: round(s.weight, 3) for s in eng.fast_setup.shapes}}
+            "weights": {s.name: round(s.weight, 3) for s in eng.fast_setup.shapes},
+            "shape_iters": {s.name: s.iters for s in eng.fast_setup.shapes}}
 
 
 # ---- full tier -----------------------------------------------------------------------
