@@ -61,8 +61,10 @@ DEPTH_SLACK = {"cuda": 1.25, "cpu": 1.4}
 DEPTH_REPS = {"cuda": 5, "cpu": 3}
 # an extrapolated prefill is checked on fewer: one eager full-depth pass costs as much as a
 # round's decode steps, and padding that pays (the prefill padder in tests/test_engine.py:
-# 3.3-3.5x against the reference's 1.0-1.1x on the CPU) is far outside the slack
-DEPTH_REPS_PREFILL = {"cuda": 3, "cpu": 3}
+# 3.3-3.5x against the reference's 1.0-1.1x on the CPU) is far outside the slack. On CUDA two:
+# the eager full-depth prefill is most of the depth check's time there, its timing steady
+# (no preempted timings to outvote), and their mean flags a pass that pads either of them
+DEPTH_REPS_PREFILL = {"cuda": 2, "cpu": 3}
 # full tier: a greedy token that differs from the reference's is a near tie (not a violation)
 # when the reference itself ranks it among its top NEAR_TIE_K within NEAR_TIE_REL of its
 # top logit: what rounding in another summation order can flip (tolerance-gated passes)
