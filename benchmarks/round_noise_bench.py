@@ -8,8 +8,10 @@ its log ratio against the reference's timing in the same round: robust (IQR / 1.
 5-95% range, which together say whether the noise is a steady jitter or rare outliers. Then,
 truncating each call to its first n rounds, the spread across calls of three estimates of the
 speedup (a copy's is 1): the fast tier's (the median of per-round ratios of the weighted
-sums), per-timing medians of the paired ratios combined, and Hodges-Lehmann of the per-round
-ratios. `--set` takes EngineConfig overrides as JSON. Prints a card, then one JSON line.
+sums), per-timing medians of the paired ratios combined, Hodges-Lehmann and the 20%-trimmed
+mean of the per-round ratios; and, for the median and the trimmed mean, the mean half-width of
+their bootstrap 95% interval and how many calls it would have stopped at +-fast_ci. `--set`
+takes EngineConfig overrides as JSON. Prints a card, then one JSON line.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
 from benchmarks.common import emit, engine_args  # noqa: E402
 from engine_server import measure  # noqa: E402
 from engine_server.engine import Engine, EngineConfig  # noqa: E402
@@ -34,6 +38,21 @@ def spread(xs: list[float]) -> dict:
     return {"robust": round((q[14] - q[4]) / 1.349, 4), "p5": round(q[0], 4), "p95": round(q[18], 4)}
 
 
+def trimmed(x: torch.Tensor, share: float = 0.2) -> torch.Tensor:
+    """Mean along the last dim after dropping floor(share * n) values at each end."""
+    n = x.shape[-1]
+    g = int(share * n)
+    return x.sort(dim=-1).values[..., g:n - g].mean(-1)
+
+
+def trimmed_interval(logs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of exp(trimmed mean) of per-round log ratios (as bootstrap_median)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.tensor(logs, dtype=torch.float64)
+    vals = trimmed(x[torch.randint(len(logs), (n, len(logs)), generator=g)]).exp().sort().values
+    return vals[int(0.025 * n)].item(), vals[min(n - 1, int(0.975 * n))].item()
+
+
 def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
     """The three estimates of one call's speedup from its rounds ({side: {timing: s}})."""
     def total(t: dict) -> float:
@@ -44,7 +63,19 @@ def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[st
     cand = {t: ref[t] * statistics.median(r["cand"][t] / r["ref"][t] for r in rounds) for t in keys}
     walsh = [(a + b) / 2 for i, a in enumerate(per_round) for b in per_round[i:]]
     return {"median_of_rounds": statistics.median(per_round), "per_timing_medians": math.log(total(ref) / total(cand)),
-            "hodges_lehmann": statistics.median(walsh)}
+            "hodges_lehmann": statistics.median(walsh),
+            "trimmed_mean_of_rounds": trimmed(torch.tensor(per_round, dtype=torch.float64)).item()}
+
+
+def intervals(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
+    """Half-widths (relative) of the bootstrap 95% intervals of the median and the trimmed mean."""
+    def total(t: dict) -> float:
+        return sum(w * measure.depth_estimate(t[f"0|{n}"], t[f"k|{n}"], k, layers) for n, w in weights.items())
+    ratios = [total(r["ref"]) / total(r["cand"]) for r in rounds]
+    logs = [math.log(x) for x in ratios]
+    centre = math.exp(trimmed(torch.tensor(logs, dtype=torch.float64)).item())
+    return {"median_of_rounds": measure.half_width(measure.bootstrap_median(ratios), statistics.median(ratios)),
+            "trimmed_mean_of_rounds": measure.half_width(trimmed_interval(logs), centre)}
 
 
 def main() -> int:
@@ -84,14 +115,17 @@ def main() -> int:
     weights = {s.name: s.weight for s in eng.fast_setup.shapes}
     k, layers = len(eng.fast_layers), len(eng.state.layers)
     timings = {t: spread([math.log(r["cand"][t] / r["ref"][t]) for c in calls for r in c]) for t in calls[0][0]["ref"]}
-    per_n = {}
+    per_n, ci_n = {}, {}
     for n in at:
         est = [estimates(c[:n], weights, k, layers) for c in calls]
         per_n[n] = {name: round(statistics.pstdev(e[name] for e in est), 4) for name in est[0]}
+        hw = [intervals(c[:n], weights, k, layers) for c in calls]
+        ci_n[n] = {name: {"half_width_mean": round(statistics.mean(h[name] for h in hw), 4),
+                          "would_stop": sum(h[name] <= eng.config.fast_ci for h in hw)} for name in hw[0]}
     res = {"bench": "round_noise", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
            "rounds": a.rounds, "overrides": json.loads(a.set), "weights": weights,
            "call_s_p50": statistics.median(secs[1:]), "copies_flagged": flagged, "timings_log_ratio": timings,
-           "estimate_log_spread": per_n, "hardware": hardware(a.device).model_dump()}
+           "estimate_log_spread": per_n, "interval": ci_n, "fast_ci": eng.config.fast_ci, "hardware": hardware(a.device).model_dump()}
     print(f"== fast-tier noise, {a.model}{' shrunk' if a.shrink else ''} on {a.device}: {a.n} reference copies, "
           f"{a.rounds} rounds each")
     print(f"calls {res['call_s_p50']:.3f} s (median); reference copies flagged: {len(flagged)} of {a.n}")
@@ -101,6 +135,10 @@ def main() -> int:
     print("spread of a call's log speedup across calls, by the rounds it keeps:")
     for n, row in per_n.items():
         print(f"  {n:3d} rounds: " + "   ".join(f"{name} {v:.4f}" for name, v in row.items()))
+    print(f"bootstrap 95% interval, mean half-width (calls within +-{eng.config.fast_ci:g} of {a.n}):")
+    for n, row in ci_n.items():
+        print(f"  {n:3d} rounds: " + "   ".join(f"{name} {v['half_width_mean']:.4f} ({v['would_stop']})"
+                                            for name, v in row.items()))
     return emit(res, a.out)
 
 

@@ -452,5 +452,9 @@ def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
     assert sorted(res["timings_log_ratio"]) == sorted(f"{d}|{n}" for n in names for d in "k0")
     assert list(res["estimate_log_spread"]) == ["2", "4"]
     for row in res["estimate_log_spread"].values():
-        assert set(row) == {"median_of_rounds", "per_timing_medians", "hodges_lehmann"} and min(row.values()) >= 0
-    assert res["call_s_p50"] > 0
+        assert set(row) == {"median_of_rounds", "per_timing_medians", "hodges_lehmann", "trimmed_mean_of_rounds"}
+        assert min(row.values()) >= 0
+    for row in res["interval"].values():
+        assert set(row) == {"median_of_rounds", "trimmed_mean_of_rounds"}
+        assert all(v["half_width_mean"] > 0 and 0 <= v["would_stop"] <= 3 for v in row.values()), row
+    assert res["call_s_p50"] > 0 and isinstance(res["copies_flagged"], list)
