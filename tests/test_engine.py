@@ -251,6 +251,41 @@ def test_warm_up_rounds_are_drawn_as_check_rounds_too(llama_engine):
     assert first_full < prefill_k[1], calls[:prefill_k[1] + 1]
 
 
+# a reference copy that logs the depth, batch rows and tokens of every call
+SHAPE_LOGGER = """
+from engine_server.models import llama as ref
+
+CALLS = []
+
+
+def forward(state, batch):
+    CALLS.append((len(state.layers), batch.size, batch.seq_len))
+    return ref.forward(state, batch)
+"""
+
+
+def test_decode_steps_per_timing_follow_the_shapes_weights(llama_engine):
+    """The heaviest decode shape is timed with fast_iters steps, a lighter one in proportion to
+    its weight (at least one): on the CPU preset the wide shape (6 of the replay's 63 decode ops)
+    takes one step a timing to the batch-1 shape's three, as the pass itself sees."""
+    eng, cfg = llama_engine, llama_engine.config
+    r = eng.submit_forward_pass(SHAPE_LOGGER)
+    calls = eng.candidates[r.candidate_id].module.CALLS
+    calls.clear()
+    fm = eng.measure_fast(r.candidate_id)
+    assert fm.valid, fm.violations
+    weights, iters = fm.config["weights"], fm.config["shape_iters"]
+    decode = {s.shape: s.batch for s in fm.shapes if not s.shape.startswith("prefill")}
+    top = max(weights[n] for n in decode)
+    assert iters == {n: (max(1, round(cfg.fast_iters * weights[n] / top)) if n in decode else 1) for n in weights}
+    one, wide = (next(n for n, b in decode.items() if b == size) for size in (1, 2))
+    assert (iters[one], iters[wide]) == (cfg.fast_iters, 1), iters
+    # fast-layer steps seen: each timing's steps in every round, and one more in the output check
+    k = len(eng.fast_layers)
+    seen = {size: sum(1 for c in calls if c == (k, size, 1)) - 1 for size in (1, 2)}
+    assert seen[1] == cfg.fast_iters * seen[2] > 0, seen
+
+
 def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
     r = llama_engine.submit_forward_pass(reference_source(llama_engine))
     cfg = llama_engine.config
@@ -437,8 +472,8 @@ def test_cheater_trace_logs_what_the_cheater_sees(tmp_path):
 
 
 def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
-    """benchmarks/round_noise_bench.py: every round kept, a spread per timing, three estimates'
-    spreads at each round count asked for."""
+    """benchmarks/round_noise_bench.py: every round kept, a spread per timing, four estimates'
+    spreads and two intervals at each round count asked for."""
     import subprocess
     import sys
     from pathlib import Path
