@@ -77,8 +77,11 @@ def test_campaign_report_and_resume_after_sigkill(out):
 
     state = json.loads((out / "campaign.json").read_text())
     assert len(state["sessions"]) == 2 and state["sessions"][1]["offset_s"] == pytest.approx(spent_before, abs=2)
-    assert 60 <= state["spent_s"] <= 60 + 45  # the budget counts the first run; agents stop near it
     rep = json.loads((out / "report.json").read_text())
+    # the budget counts the first run; agents stop near it, or before it once every move
+    # combination they would try is tried (on a fast host both can run out of moves first)
+    exhausted = all(a["status"] == "exhausted" for a in rep["agents"])
+    assert (spent_before if exhausted else 60) <= state["spent_s"] <= 60 + 45, (state["spent_s"], rep["agents"])
     led = Ledger(out / "engine" / "ledger.db")
     after = led.calls(method="submit_forward_pass")
     ids_after = [c["candidate_id"] for c in after]
