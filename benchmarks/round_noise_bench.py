@@ -53,11 +53,17 @@ def trimmed_interval(logs: list[float], n: int = 2000, seed: int = 0) -> tuple[f
     return vals[int(0.025 * n)].item(), vals[min(n - 1, int(0.975 * n))].item()
 
 
-def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
-    """The three estimates of one call's speedup from its rounds ({side: {timing: s}})."""
+def round_logs(rounds: list[dict], weights: dict, k: int, layers: int) -> tuple[list[float], callable]:
+    """Each round's log speedup (the reference's weighted full-depth estimate over the
+    candidate's), and the weighted sum it is taken from ({timing: s} -> s)."""
     def total(t: dict) -> float:
         return sum(w * measure.depth_estimate(t[f"0|{n}"], t[f"k|{n}"], k, layers) for n, w in weights.items())
-    per_round = [math.log(total(r["ref"]) / total(r["cand"])) for r in rounds]
+    return [math.log(total(r["ref"]) / total(r["cand"])) for r in rounds], total
+
+
+def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
+    """The four estimates of one call's log speedup from its rounds ({side: {timing: s}})."""
+    per_round, total = round_logs(rounds, weights, k, layers)
     keys = list(rounds[0]["ref"])
     ref = {t: statistics.median(r["ref"][t] for r in rounds) for t in keys}
     cand = {t: ref[t] * statistics.median(r["cand"][t] / r["ref"][t] for r in rounds) for t in keys}
@@ -69,10 +75,8 @@ def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[st
 
 def intervals(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
     """Half-widths (relative) of the bootstrap 95% intervals of the median and the trimmed mean."""
-    def total(t: dict) -> float:
-        return sum(w * measure.depth_estimate(t[f"0|{n}"], t[f"k|{n}"], k, layers) for n, w in weights.items())
-    ratios = [total(r["ref"]) / total(r["cand"]) for r in rounds]
-    logs = [math.log(x) for x in ratios]
+    logs, _ = round_logs(rounds, weights, k, layers)
+    ratios = [math.exp(x) for x in logs]
     centre = math.exp(trimmed(torch.tensor(logs, dtype=torch.float64)).item())
     return {"median_of_rounds": measure.half_width(measure.bootstrap_median(ratios), statistics.median(ratios)),
             "trimmed_mean_of_rounds": measure.half_width(trimmed_interval(logs), centre)}

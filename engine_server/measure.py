@@ -261,9 +261,10 @@ def _experts_active(eng, shapes: list[Shape]) -> float:
     return round(statistics.mean(vals), 3)
 
 
-def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
-    """Seconds per step of `cand` on `shape` (decode: graph replay + CUDA events on CUDA;
-    prefill: eager, as the full tier runs it)."""
+def _time_steps(eng, cand, state, shape: Shape) -> float:
+    """Seconds per step of `cand` on `shape` over its `iters` steps (decode: graph replay + CUDA
+    events on CUDA; prefill: one eager pass, as the full tier runs it)."""
+    iters = shape.iters
     if eng.cuda and not shape.prefill and cand.graphs is not None and cand.graphs.has(state, shape.size):
         eng.inputs.fill(shape.batch)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -273,7 +274,6 @@ def _time_steps(eng, cand, state, shape: Shape, iters: int) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
-    iters = 1 if shape.prefill else iters
     if eng.cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -481,10 +481,10 @@ def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: 
         c, states = sides[side]
         for d, sh in plan:
             t0 = time.perf_counter()
-            out[side][d, sh.name] = _time_steps(eng, c, states[d], sh, sh.iters)
+            out[side][d, sh.name] = _time_steps(eng, c, states[d], sh)
             t1 = time.perf_counter()
             if d == "0" and sh.name in check:
-                out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh, sh.iters)
+                out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh)
             if phases is not None:
                 phases["rounds_prefill" if sh.prefill else "rounds_decode"] += t1 - t0
                 phases["depth_check"] += time.perf_counter() - t1
