@@ -93,8 +93,8 @@ def main() -> int:
     calls: list[list[dict]] = []
     timed_round = measure._timed_round
 
-    def keep(eng, sides, plan, r, check, phases=None):
-        got = timed_round(eng, sides, plan, r, check, phases)
+    def keep(eng, sides, plan, r, check, phases=None, ref_skip=frozenset()):
+        got = timed_round(eng, sides, plan, r, check, phases, ref_skip)
         if phases is not None:  # the call's own rounds (not its depth check's extra ones)
             calls[-1].append({s: {f"{d}|{n}": v for (d, n), v in got[s].items() if d != "L"} for s in got})
         return got

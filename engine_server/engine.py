@@ -115,7 +115,10 @@ class Engine:
             return self._install(candidate_id, source, name, parent)
 
     def measure_fast(self, candidate_id: str) -> MeasureResult:
-        return self._run_checked(candidate_id, "fast", measure.fast)
+        with self._lock:  # the call and what it adds to the reference's depth pool, together
+            res = self._run_checked(candidate_id, "fast", measure.fast)
+            measure.pool_reference_depth(self.fast_setup, res)
+            return res
 
     def measure_full(self, candidate_id: str) -> MeasureResult:
         return self._run_checked(candidate_id, "full", measure.full)

@@ -10,6 +10,8 @@ from engine_server.config import ConfigError
 from engine_server.engine import Engine, EngineConfig
 from engine_server.selfcheck import perturbed_source, reference_source
 
+from conftest import CHEATERS
+
 GOOD = "from engine_server.models import llama as ref\n\ndef forward(state, batch):\n    return ref.forward(state, batch)\n"
 
 BAD = {
@@ -212,6 +214,60 @@ def test_depth_check_rounds_are_drawn_at_random(llama_engine):
         assert fm.valid, fm.violations
         check = fm.config["depth_check"][fm.shapes[0].shape]
         assert check["repetitions"] >= measure.DEPTH_REPS["cpu"] * (1 + 2 * check["rechecked"]), check
+
+
+def test_depth_check_first_look_pools_the_reference_recheck_does_not():
+    """The first look judges the candidate against the reference's earlier ratios and this
+    call's; a recheck against the reference's fresh ratios alone."""
+    name = "decode B=1 ctx=8"
+    res = measure.MeasureResult(candidate_id="c", tier="fast", ok=True)
+    eng = type("Eng", (), {"cuda": False})()
+    # the pool's ratios (about 1.0) outvote this call's one high reference ratio: 1.5 is outside
+    # the slack of the pooled median, though inside that of the call's own (2.0)
+    fresh_ratios = {"ref": {name: [2.0]}, "cand": {name: [1.5] * 3}}
+    asked = []
+
+    def recheck(shape, rounds):
+        asked.append(rounds)
+        return {"ref": {shape: [1.1] * rounds}, "cand": {shape: [1.0] * rounds}}
+    measure._depth_check(eng, res, fresh_ratios, recheck, pool={name: [1.0] * 9})
+    check = res.config["depth_check"][name]
+    assert asked == [6] and not res.violations, res.violations
+    assert check["reference_pooled"] == 9 and check["reference_fresh"] == [2.0] + [1.1] * 6, check
+    assert (check["ref"], check["cand"]) == (1.1, 1.0), check  # the recheck's fresh rounds only
+
+
+def test_reference_depth_pool_fills_from_passing_calls_and_still_catches_padding():
+    """Calls that pass fill the reference's depth pool; once it holds twice a shape's fewest
+    check rounds, the reference times that shape at full depth once a call and the first look
+    uses the pool. A call that fails adds nothing, and a depth padder is still caught."""
+    eng = Engine(EngineConfig(model="llama-3.2-1b", shrink=True, device="cpu", call_timeout_s=20))
+    pool = eng.fast_setup.ref_depth
+    good = eng.submit_forward_pass(reference_source(eng)).candidate_id
+    fm = eng.measure_fast(good)
+    assert fm.valid, fm.violations
+    first = fm.config["depth_check"]
+    assert set(first) == set(pool) and all(c["reference_pooled"] == 0 for c in first.values()), first
+    # unpooled: the reference timed every check round the candidate did
+    assert all(len(c["reference_fresh"]) == c["repetitions"] for c in first.values()), first
+    assert all(pool[n] == first[n]["reference_fresh"] for n in pool), (pool, first)
+    least = {sh.name: measure._depth_least(eng, sh) for sh in eng.fast_setup.shapes}
+    while any(len(pool[n]) < 2 * least[n] for n in pool):
+        assert eng.measure_fast(good).valid
+    before = {n: list(xs) for n, xs in pool.items()}
+    fm = eng.measure_fast(good)
+    assert fm.valid, fm.violations
+    for n, c in fm.config["depth_check"].items():
+        assert c["reference_pooled"] == len(before[n]) > 0, c
+        if not c["rechecked"]:
+            assert len(c["reference_fresh"]) == 1, c  # one full-depth timing of the reference a call
+        assert pool[n] == (before[n] + c["reference_fresh"])[-measure.DEPTH_POOL:]
+    before = {n: list(xs) for n, xs in pool.items()}
+    padder = eng.submit_forward_pass((CHEATERS / "depth_padder.py").read_text()).candidate_id
+    fm = eng.measure_fast(padder)
+    assert not fm.valid and any("grow with the layers" in v for v in fm.violations), fm.violations
+    assert any(c["reference_pooled"] > 0 for c in fm.config["depth_check"].values()), fm.config["depth_check"]
+    assert pool == before  # a call that failed adds nothing to the pool
 
 
 # a reference copy that logs the depth (layers run) and tokens of every call

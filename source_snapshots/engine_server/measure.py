@@ -65,6 +65,14 @@ DEPTH_REPS = {"cuda": 5, "cpu": 3}
 # the eager full-depth prefill is most of the depth check's time there, its timing steady
 # (no preempted timings to outvote), and their mean flags a pass that pads either of them
 DEPTH_REPS_PREFILL = {"cuda": 2, "cpu": 3}
+# the reference's side of the depth check is pooled across calls: full depth over its
+# extrapolation is a ratio of two timings taken together, so the machine's speed of the moment
+# cancels in it and it is the same quantity in every call. Once the pool holds twice a shape's
+# fewest check rounds (from calls that passed every check), the reference times that shape at
+# full depth in one check round a call (keeping the pool current) instead of in every one, and
+# the first look judges the candidate against the median of the pool's last DEPTH_POOL ratios;
+# a recheck times both sides afresh and is judged on those alone
+DEPTH_POOL = 15
 # full tier: a greedy token that differs from the reference's is a near tie (not a violation)
 # when the reference itself ranks it among its top NEAR_TIE_K within NEAR_TIE_REL of its
 # top logit: what rounding in another summation order can flip (tolerance-gated passes)
@@ -176,6 +184,11 @@ class FastSetup:
     experts_active: float | None = None
     step_bytes: int = 0  # weight bytes any full-depth step must read (a floor)
     weighted: bool = False
+    # the reference's depth-check ratios by shape, from calls that passed every check (DEPTH_POOL)
+    ref_depth: dict[str, list[float]] = field(default_factory=dict)
+    # the reference's timed outputs by (depth, shape): the same cache and inputs give the same
+    # outputs, so each is computed once
+    ref_outputs: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, eng) -> "FastSetup":
@@ -327,6 +340,9 @@ def fast(eng, cand) -> MeasureResult:
     if checked:
         plan = _check_later(plan, checked[0].name)
     odds = {sh.name: _depth_odds(eng, sh) for sh in checked}
+    # the shapes whose reference side comes from the pool (DEPTH_POOL), with what it holds
+    pool = {sh.name: list(setup.ref_depth[sh.name]) for sh in checked
+            if len(setup.ref_depth.get(sh.name, ())) >= 2 * _depth_least(eng, sh)}
     rng = random.SystemRandom()
     sides = {side: (c, {d: eng.candidate_state(c, ls) for d, ls in depths.items()})
              for side, c in (("ref", ref), ("cand", cand))}
@@ -352,7 +368,9 @@ def fast(eng, cand) -> MeasureResult:
         # that pads until it has seen a full-depth step would otherwise pad the first timed
         # rounds for free, and a few padded rounds move a noisy median by a rank or two
         check = _drawn(odds, rng, odds)
-        got = _timed_round(eng, sides, plan, r, check, phases)
+        # a pooled shape's reference full depth: once a call, in a timed round
+        skip = {n for n in pool if i < 0 or depth["ref"][n]}
+        got = _timed_round(eng, sides, plan, r, check, phases, skip)
         if i >= 0:
             for s in sides:
                 for d, sh in plan:
@@ -365,7 +383,7 @@ def fast(eng, cand) -> MeasureResult:
         r += 1
     t0 = time.perf_counter()  # fewer check rounds than the least: more rounds, drawn the same way
     more = _depth_rounds(eng, sides, plan, odds, rng, {sh.name: _depth_least(eng, sh) - len(depth["cand"][sh.name])
-                                                         for sh in checked})
+                                                         for sh in checked}, {n for n in pool if depth["ref"][n]})
     for s in sides:
         for name, xs in more[s].items():
             depth[s][name] += xs
@@ -399,12 +417,14 @@ def fast(eng, cand) -> MeasureResult:
     t0 = time.perf_counter()
     worst = "bitwise"
     for d, sh in plan:
-        outs = {}
-        for side in ("cand", "ref"):
+        outs = {"ref": setup.ref_outputs.get((d, sh.name))}
+        for side in ("cand", "ref") if outs["ref"] is None else ("cand",):
             eng.state.load_cache(*setup.kv)
             out, viol = run_step(eng, sides[side][0], sides[side][1][d], sh.batch)
             res.violations += viol
             outs[side] = out
+        if (d, sh.name) not in setup.ref_outputs:
+            setup.ref_outputs[d, sh.name] = outs["ref"] = outs["ref"].clone()  # a graph's output buffer is reused
         verdict, diff = compare(outs["ref"], outs["cand"])
         if verdict == "differ":
             where = {"k": "the fast layers", "0": "no layers", "L": "all layers"}[d]
@@ -414,7 +434,7 @@ def fast(eng, cand) -> MeasureResult:
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need}))
+    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need}), pool)
     phases["depth_check"] += time.perf_counter() - t0  # a recheck's rounds
     _plausibility(eng, res, setup)
     res.valid = not res.violations
@@ -471,19 +491,22 @@ def _drawn(odds: dict[str, float], rng, names) -> set[str]:
     return {name for name in names if rng.random() < odds[name]}
 
 
-def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: dict | None = None) -> dict:
+def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: dict | None = None,
+                 ref_skip: set[str] = frozenset()) -> dict:
     """One round: each side (which goes first alternating with r) times every (depth, shape) of
     `plan`, and right after a shape's no-layer timing its full depth ("L") when the shape is in
-    `check`: nothing a pass sees before its no-layer steps says whether the round checks them.
+    `check` (the reference: and not in `ref_skip`, the shapes its pool stands for): nothing a
+    pass sees before its no-layer steps says whether the round checks them.
     Returns {side: {(depth, shape name): seconds a step}}; adds to `phases` where given."""
     out: dict = {s: {} for s in sides}
     for side in (("ref", "cand") if r % 2 == 0 else ("cand", "ref")):
         c, states = sides[side]
+        checked = check - ref_skip if side == "ref" else check
         for d, sh in plan:
             t0 = time.perf_counter()
             out[side][d, sh.name] = _time_steps(eng, c, states[d], sh)
             t1 = time.perf_counter()
-            if d == "0" and sh.name in check:
+            if d == "0" and sh.name in checked:
                 out[side]["L", sh.name] = _time_steps(eng, c, states["L"], sh)
             if phases is not None:
                 phases["rounds_prefill" if sh.prefill else "rounds_decode"] += t1 - t0
@@ -492,23 +515,26 @@ def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: 
 
 
 def _depth_samples(eng, got: dict, check: set[str]) -> dict[str, float]:
-    """One side's round timings -> full-depth time over its extrapolation, by checked shape."""
+    """One side's round timings -> full-depth time over its extrapolation, by checked shape
+    (those it timed at full depth)."""
     k, L = len(eng.fast_layers), len(eng.state.layers)
     out = {}
-    for name in check:
+    for name in check & {n for d, n in got if d == "L"}:
         e = depth_estimate(got["0", name], got["k", name], k, L)
         out[name] = got["L", name] / e if e > 0 else float("inf")
     return out
 
 
-def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int]) -> dict:
+def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int],
+                  ref_skip: set[str] = frozenset()) -> dict:
     """Whole rounds as the fast tier's (each drawn as a check round with the same odds) until
-    every shape in `need` has that many more check rounds; {side: {shape: [ratios]}}."""
+    every shape in `need` has that many more check rounds (the reference: those not in
+    `ref_skip`); {side: {shape: [ratios]}}."""
     out: dict = {s: {name: [] for name in need} for s in sides}
     r = 0
     while any(len(out["cand"][name]) < n for name, n in need.items()):
         check = _drawn(odds, rng, [name for name, n in need.items() if len(out["cand"][name]) < n])
-        got = _timed_round(eng, sides, plan, r, check)
+        got = _timed_round(eng, sides, plan, r, check, ref_skip=ref_skip)
         for s in sides:
             for name, x in _depth_samples(eng, got[s], check).items():
                 out[s][name].append(x)
@@ -516,7 +542,7 @@ def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str,
     return out
 
 
-def _depth_check(eng, res: MeasureResult, depth: dict, recheck) -> None:
+def _depth_check(eng, res: MeasureResult, depth: dict, recheck, pool: dict[str, list[float]] | None = None) -> None:
     """The extrapolation holds only if time grows with the layers run: a pass that pads its
     no-layer step (or slows down at full depth) would look faster than it is. In the check
     rounds (drawn at random among the timed rounds, at least DEPTH_REPS of them; the prefill
@@ -528,23 +554,42 @@ def _depth_check(eng, res: MeasureResult, depth: dict, recheck) -> None:
     rounds again (`recheck(shape, rounds)`, whole rounds drawn the same way) and judged on those: a
     noisy spell of the machine during the first look does not fail a correct pass, while
     padding shows in the check rounds as often as in the others and stays far outside the
-    slack. depth: each side's ratios by shape name."""
+    slack. depth: each side's ratios by shape name; pool: the reference's earlier ratios for
+    the shapes it stands for (DEPTH_POOL), which the first look adds to the reference's own."""
     kind = "cuda" if eng.cuda else "cpu"
     res.config["depth_check"] = {}  # shape -> side -> measured / extrapolated full-depth time
     for name, cand_ratios in depth["cand"].items():
-        ratio = {s: statistics.median(depth[s][name]) for s in depth}
+        earlier = (pool or {}).get(name, [])
+        fresh = list(depth["ref"][name])
+        ratio = {"ref": statistics.median(earlier + fresh), "cand": statistics.median(cand_ratios)}
         rounds = len(cand_ratios)
         rechecked = ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]
         if rechecked:
             more = recheck(name, 2 * rounds)
             ratio = {s: statistics.median(more[s][name]) for s in depth}
+            fresh += more["ref"][name]
         res.config["depth_check"][name] = {s: round(r, 3) for s, r in ratio.items()}
         res.config["depth_check"][name]["repetitions"] = rounds * (1 + 2 * rechecked)
         res.config["depth_check"][name]["rechecked"] = rechecked
+        # the reference's ratios this call timed (they join the pool if the call passes), and
+        # how many earlier ones its first look used
+        res.config["depth_check"][name]["reference_fresh"] = [round(x, 4) for x in fresh]
+        res.config["depth_check"][name]["reference_pooled"] = len(earlier)
         if ratio["cand"] > DEPTH_SLACK[kind] * ratio["ref"]:
             res.violations.append(f"{name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
                                   f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
                                   f"does not grow with the layers it runs as it should")
+
+
+def pool_reference_depth(setup: FastSetup, res: MeasureResult) -> None:
+    """After a fast-tier call that passed every check (the engine's guards included): the
+    reference's depth-check ratios it timed join the pool, which keeps the last DEPTH_POOL."""
+    if not (res.ok and res.valid):
+        return
+    for name, check in res.config.get("depth_check", {}).items():
+        kept = setup.ref_depth.setdefault(name, [])
+        kept += check["reference_fresh"]
+        del kept[:-DEPTH_POOL]
 
 
 def _plausibility(eng, res: MeasureResult, setup: FastSetup) -> None:
