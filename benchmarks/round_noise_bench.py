@@ -10,8 +10,11 @@ truncating each call to its first n rounds, the spread across calls of three est
 speedup (a copy's is 1): the fast tier's (the median of per-round ratios of the weighted
 sums), per-timing medians of the paired ratios combined, Hodges-Lehmann and the 20%-trimmed
 mean of the per-round ratios; and, for the median and the trimmed mean, the mean half-width of
-their bootstrap 95% interval and how many calls it would have stopped at +-fast_ci. `--set`
-takes EngineConfig overrides as JSON. Prints a card, then one JSON line.
+their bootstrap 95% interval and how many calls it would have stopped at +-fast_ci. Last, by
+round index, the median across calls of each timing's log ratio and of the round's log
+speedup: with `--set '{"warmup_rounds": 0}'` it shows how many first rounds a new pass's
+first calls slow (what the warm-up rounds drop). `--set` takes EngineConfig overrides as
+JSON. Prints a card, then one JSON line.
 """
 from __future__ import annotations
 
@@ -126,10 +129,15 @@ def main() -> int:
         hw = [intervals(c[:n], weights, k, layers) for c in calls]
         ci_n[n] = {name: {"half_width_mean": round(statistics.mean(h[name] for h in hw), 4),
                           "would_stop": sum(h[name] <= eng.config.fast_ci for h in hw)} for name in hw[0]}
+    by_round = {"round": [statistics.median(round_logs([c[j]], weights, k, layers)[0][0] for c in calls)
+                          for j in range(a.rounds)]}
+    by_round |= {t: [statistics.median(math.log(c[j]["cand"][t] / c[j]["ref"][t]) for c in calls)
+                     for j in range(a.rounds)] for t in calls[0][0]["ref"]}
+    by_round = {t: [round(x, 4) for x in xs] for t, xs in by_round.items()}
     res = {"bench": "round_noise", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
            "rounds": a.rounds, "overrides": json.loads(a.set), "weights": weights,
            "call_s_p50": statistics.median(secs[1:]), "copies_flagged": flagged, "timings_log_ratio": timings,
-           "estimate_log_spread": per_n, "interval": ci_n, "fast_ci": eng.config.fast_ci, "hardware": hardware(a.device).model_dump()}
+           "estimate_log_spread": per_n, "interval": ci_n, "log_ratio_by_round": by_round, "warmup_rounds": warm, "fast_ci": eng.config.fast_ci, "hardware": hardware(a.device).model_dump()}
     print(f"== fast-tier noise, {a.model}{' shrunk' if a.shrink else ''} on {a.device}: {a.n} reference copies, "
           f"{a.rounds} rounds each")
     print(f"calls {res['call_s_p50']:.3f} s (median); reference copies flagged: {len(flagged)} of {a.n}")
@@ -143,6 +151,9 @@ def main() -> int:
     for n, row in ci_n.items():
         print(f"  {n:3d} rounds: " + "   ".join(f"{name} {v['half_width_mean']:.4f} ({v['would_stop']})"
                                             for name, v in row.items()))
+    print(f"median log ratio by round index (after {warm} warm-up rounds), first rounds:")
+    for t, xs in by_round.items():
+        print(f"  {t:34s} " + " ".join(f"{x:+.3f}" for x in xs[:6]))
     return emit(res, a.out)
 
 

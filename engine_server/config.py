@@ -100,7 +100,9 @@ class EngineConfig:
     # extrapolated as the decode shapes are (and depth-checked); "full": timed at full depth
     # (H200: Spearman 0.986 against the full tier with "layers", 0.994 with "full", 0.90 s a
     # call against 1.16 s: benchmarks/results/h200_fidelity_llama-3.2-1b.json)
-    warmup_rounds: int = 2  # rounds dropped
+    warmup_rounds: int = -1  # fast-tier rounds dropped (-1: CPU 1, CUDA 2). CPU: a new pass's first
+    # round is slow (each shape's first call), the second is not (`round_noise_bench.py --set
+    # '{"warmup_rounds": 0}'`, benchmarks/results/cpu_round_noise_warmup0_llama-3.2-1b-shrunk.json)
     full_requests: int = 0  # trace requests replayed by the full tier (CPU 10, CUDA 32)
     full_max_prompt: int = 0  # cap on prompt tokens (CPU 64, CUDA 2048)
     full_max_output: int = 0  # cap on output tokens (CPU 8, CUDA 64)
@@ -128,6 +130,7 @@ class EngineConfig:
             max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 21, 15),
             fast_min_rounds=pick(self.fast_min_rounds, 9, 5), fast_ci=pick(self.fast_ci, 0.05, 0.01),
             fast_iters=pick(self.fast_iters, 3, 10),
+            warmup_rounds=self.warmup_rounds if self.warmup_rounds >= 0 else (2 if cuda else 1),
             fast_prefill=self.fast_prefill,
             full_requests=pick(self.full_requests, 10, 32),
             full_max_prompt=pick(self.full_max_prompt, 64, 2048),

@@ -363,6 +363,9 @@ def test_fast_tier_reports_the_rounds_it_ran_and_why(llama_engine):
 def test_sequential_stopping_defaults_per_device():
     cpu, cuda = EngineConfig(device="cpu").resolved(), EngineConfig(device="cuda").resolved()
     assert (cpu.fast_rounds, cpu.fast_min_rounds, cpu.fast_ci) == (21, 9, 0.05)
+    # one warm-up round on the CPU, two on CUDA; 0 (none) is kept as asked
+    assert (cpu.warmup_rounds, cuda.warmup_rounds) == (1, 2)
+    assert EngineConfig(device="cpu", warmup_rounds=0).resolved().warmup_rounds == 0
     # CUDA timings are steady: +-1% after at least 5 rounds, 15 at most
     assert (cuda.fast_rounds, cuda.fast_min_rounds, cuda.fast_ci) == (15, 5, 0.01)
     off = EngineConfig(device="cuda", fast_ci=-1.0).resolved()
@@ -549,3 +552,5 @@ def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
         assert set(row) == {"median_of_rounds", "trimmed_mean_of_rounds"}
         assert all(v["half_width_mean"] > 0 and 0 <= v["would_stop"] <= 3 for v in row.values()), row
     assert res["call_s_p50"] > 0 and isinstance(res["copies_flagged"], list)
+    assert set(res["log_ratio_by_round"]) == {"round"} | set(res["timings_log_ratio"])
+    assert all(len(xs) == 4 for xs in res["log_ratio_by_round"].values()), res["log_ratio_by_round"]
