@@ -18,6 +18,7 @@ two workflows are interleaved. Prints a card, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -117,23 +118,52 @@ def shape_prompts(shapes: list[dict], info: dict) -> dict[str, list[list[int]]]:
 
 
 def vllm_experiment(a, script: Path, spec: dict) -> dict:
-    """One restart-workflow experiment: spawn, cold-start vLLM, measure, exit."""
+    """One restart-workflow experiment: spawn, cold-start vLLM, measure, exit. Its seconds end
+    when the process it started exits; then, untimed, until every process it spawned (its
+    session: vLLM's engine-core process) has gone too (`linger_s`), so that none is still
+    running when the next experiment of either workflow starts."""
     t = time.perf_counter()
     w = time.time()
-    p = subprocess.run([a.vllm_python, str(script), json.dumps(spec)], capture_output=True, text=True,
-                       env=os.environ | {"TQDM_DISABLE": "1"})
+    p = subprocess.Popen([a.vllm_python, str(script), json.dumps(spec)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=os.environ | {"TQDM_DISABLE": "1"},
+                         start_new_session=True)
+    out, err = p.communicate()
     secs = time.perf_counter() - t
-    line = next((x for x in p.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    linger = _wait_session_gone(p.pid)
+    line = next((x for x in out.splitlines() if x.startswith("VLLM_RESULT ")), None)
     if p.returncode != 0 or line is None:
-        raise RuntimeError(f"vLLM experiment failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        raise RuntimeError(f"vLLM experiment failed (rc {p.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
     r = json.loads(line.removeprefix("VLLM_RESULT "))
-    log = p.stdout + p.stderr
+    log = out + err
     compiled = ("loaded from cache" if "Directly load AOT compilation" in log else
                 "cache load failed, compiled" if "Compiling model again due to a load failure" in log else
                 "compiled" if "saved AOT compiled function" in log else "not compiled")
     r |= {"seconds": secs, "to_result_s": r["result_wall"] - w, "python_start_s": r["start_wall"] - w,
-          "torch_compile": compiled}
+          "torch_compile": compiled, "linger_s": linger}
     return r
+
+
+def _wait_session_gone(sid: int, limit_s: float = 60.0) -> float:
+    """Seconds until no process is left in session `sid` (killed after limit_s)."""
+    t = time.perf_counter()
+    while True:
+        left = [d for d in os.listdir("/proc") if d.isdigit() and _session(d) == sid]
+        if not left:
+            return time.perf_counter() - t
+        if time.perf_counter() - t > limit_s:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def _session(pid: str) -> int | None:
+    """The session of a live process (None: gone, or a zombie, which runs nothing)."""
+    try:  # /proc/PID/stat: "pid (comm) state ppid pgrp session ...", comm may hold spaces
+        state, _, _, session = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:4]
+        return None if state in "ZX" else int(session)
+    except (OSError, ValueError):
+        return None
 
 
 def summary(xs: list[float]) -> dict:
@@ -205,7 +235,7 @@ def main() -> int:
         res["vllm"][v] = {"restart_s": summary(secs), "experiments_per_hour": 3600 / statistics.median(secs),
                           "ratio_p50": ratio, "target_met": ratio >= TARGET,
                           "breakdown_p50": {k: mid(rs, k) for k in ("python_start_s", "import_s", "llm_init_s",
-                                                                     "measure_s", "to_result_s")},
+                                                                     "measure_s", "to_result_s", "linger_s")},
                           "torch_compile": sorted({x["torch_compile"] for x in rs}), "runs": rs}
     res["ratio_p50"] = res["vllm"]["default"]["ratio_p50"]
     res["target_met"] = res["vllm"]["default"]["target_met"]
@@ -233,7 +263,8 @@ def main() -> int:
               f"target {TARGET:g}x {'met' if d['target_met'] else 'NOT met'}")
         print(f"  to python {vb['python_start_s']:.2f} s, import vllm {vb['import_s']:.2f} s, LLM() {vb['llm_init_s']:.2f} s "
               f"(torch.compile: {', '.join(d['torch_compile'])}), generates {vb['measure_s']:.2f} s; "
-              f"result at {vb['to_result_s']:.2f} s, exit at {d['restart_s']['p50']:.2f} s")
+              f"result at {vb['to_result_s']:.2f} s, exit at {d['restart_s']['p50']:.2f} s "
+              f"(its other processes gone {vb['linger_s']:.2f} s later, untimed)")
     return emit(res, a.out)
 
 

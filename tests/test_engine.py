@@ -554,3 +554,17 @@ def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
     assert res["call_s_p50"] > 0 and isinstance(res["copies_flagged"], list)
     assert set(res["log_ratio_by_round"]) == {"round"} | set(res["timings_log_ratio"])
     assert all(len(xs) == 4 for xs in res["log_ratio_by_round"].values()), res["log_ratio_by_round"]
+
+
+def test_vllm_cycle_bench_waits_for_what_an_experiment_left_running():
+    """benchmarks/vllm_cycle_bench.py: after a restart-workflow experiment's process exits, the
+    next experiment waits until every process of its session has gone too (a child still
+    running would slow the live engine's experiment that follows)."""
+    import subprocess
+    from benchmarks.vllm_cycle_bench import _wait_session_gone
+    p = subprocess.Popen(["bash", "-c", "(sleep 0.5 &); exit 0"], start_new_session=True)
+    p.wait()
+    assert _wait_session_gone(p.pid) >= 0.3  # the orphaned sleep, after its parent exited
+    p = subprocess.Popen(["true"], start_new_session=True)
+    p.wait()
+    assert _wait_session_gone(p.pid) < 0.3
