@@ -268,6 +268,15 @@ def test_reference_depth_pool_fills_from_passing_calls_and_still_catches_padding
     assert not fm.valid and any("grow with the layers" in v for v in fm.violations), fm.violations
     assert any(c["reference_pooled"] > 0 for c in fm.config["depth_check"].values()), fm.config["depth_check"]
     assert pool == before  # a call that failed adds nothing to the pool
+    # the reference's timed outputs, kept from its first call, are what it computes now
+    setup, ref = eng.fast_setup, eng.candidates["reference"]
+    shapes = {sh.name: sh for sh in setup.shapes}
+    depths = {"k": eng.fast_layers, "0": ()}
+    assert {d for d, _ in setup.ref_outputs} == set(depths) and set(shapes) == {n for _, n in setup.ref_outputs}
+    for (d, name), kept in setup.ref_outputs.items():
+        eng.state.load_cache(*setup.kv)
+        out, _ = measure.run_step(eng, ref, eng.candidate_state(ref, depths[d]), shapes[name].batch)
+        assert torch.equal(out, kept), (d, name)
 
 
 # a reference copy that logs the depth (layers run) and tokens of every call
