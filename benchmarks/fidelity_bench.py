@@ -182,7 +182,10 @@ def main() -> int:
         rows.append({"name": name, "fast": fm.speedup, "fast_ci95": fm.speedup_ci95,
                      "full": full.speedup if full else None, "full_ci95": full.speedup_ci95 if full else None,
                      "fast_s": fm.seconds, "full_s": full.seconds if full else None,
-                     "fast_rounds": fm.samples, "fast_phases_s": fm.config.get("phases_s"), "also_fast": also})
+                     "fast_rounds": fm.samples, "fast_phases_s": fm.config.get("phases_s"), "also_fast": also,
+                     # every candidate here is honest: a tier that flags one is wrong about it
+                     "fast_valid": fm.valid, "full_valid": full.valid if full else None,
+                     "violations": fm.violations + (full.violations if full else [])})
         print(f"{name:>60}: fast x{fm.speedup:.3f}" + (f"  full x{full.speedup:.3f}" if full else "")
               + "".join(f"  {k} x{v['fast']:.3f}" for k, v in also.items()))
         eng.remove(r.candidate_id)
@@ -194,6 +197,9 @@ def main() -> int:
         res["full_s_mean"] = statistics.mean(r["full_s"] for r in rows)
         print(f"Spearman rank correlation, fast vs full tier, {len(rows)} candidates: {res['spearman']:.3f}; "
               f"fast tier {res['fast_s_mean']:.2f} s, full tier {res['full_s_mean']:.2f} s a call")
+    res["flagged"] = [r["name"] for r in rows if not r["fast_valid"] or r["full_valid"] is False]
+    print(f"candidates a tier flagged (all are honest): {len(res['flagged'])} of {len(rows)}"
+          + (f": {', '.join(res['flagged'])}" if res["flagged"] else ""))
     res["also_fast"] = {}
     for k in settings:
         other = [r["also_fast"][k]["fast"] for r in rows]

@@ -577,3 +577,28 @@ def test_vllm_cycle_bench_waits_for_what_an_experiment_left_running():
     p = subprocess.Popen(["true"], start_new_session=True)
     p.wait()
     assert _wait_session_gone(p.pid) < 0.3
+
+
+def test_fidelity_bench_ranks_honest_candidates_on_both_tiers():
+    """benchmarks/fidelity_bench.py: every candidate (the agent's moves and the hand-written
+    ones, all honest) measured on both tiers, a Spearman coefficient, and which of them a
+    tier flagged (the hand-written ones add work a correct pass could do: the fast tier's
+    checks must not flag them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/fidelity_bench.py", "--device", "cpu", "--shrink",
+                          "--moves", "1", "--full-requests", "4"], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    names = [r["name"] for r in res["rows"]]
+    assert len(names) >= 16 and any(n.startswith("layer-work") for n in names), names
+    assert -1.0 <= res["spearman"] <= 1.0
+    assert all(r["fast"] > 0 and r["full"] > 0 for r in res["rows"]), res["rows"]
+    assert res["flagged"] == [r["name"] for r in res["rows"] if not (r["fast_valid"] and r["full_valid"])]
+    # extra work in every layer slows both tiers: the heaviest is the slowest on each
+    work = {int(r["name"].rsplit("-", 1)[1]): r for r in res["rows"] if r["name"].startswith("layer-work")}
+    most, least = work[max(work)], work[min(work)]
+    assert most["fast"] < least["fast"] and most["full"] < least["full"], (most, least)
