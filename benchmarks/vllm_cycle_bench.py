@@ -161,7 +161,7 @@ def _session(pid: str) -> int | None:
     """The session of a live process (None: gone, or a zombie, which runs nothing)."""
     try:  # /proc/PID/stat: "pid (comm) state ppid pgrp session ...", comm may hold spaces
         state, _, _, session = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:4]
-        return None if state in "ZX" else int(session)
+        return None if state in ("Z", "X") else int(session)
     except (OSError, ValueError):
         return None
 
