@@ -93,6 +93,10 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
 - PDL alone: 1,005 against 921 tok/s without it (h200_variants_pdl.json); L2 prefetches of
   the big GEMVs' weights before the wait cost more than they hide (827 with all of them);
   the norms fused into the GEMVs cost more than their launches (h200_variants_fuse_norm*.json).
+- The residual add and norm in the last program of the o and down GEMVs (KNOBS["norm"]["IN_GEMV"],
+  99 kernels a step instead of 131): 1,238 against 1,272 tok/s on the H200 winner
+  (h200_variants_in_gemv.json): each of their 512 programs takes a ticket on one counter, and
+  the last one's add and norm run on the GEMV's 4-8 warps where the norm kernel has 32.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
