@@ -29,6 +29,7 @@ from engine_server import exact, measure, traffic
 from engine_server.config import EngineConfig, ModelConfig, parse_dtype, resolve_model, shrink
 from engine_server.graphs import StaticInputs, StepGraphs
 from engine_server.guards import ProcessGuard, WeightGuard
+from engine_server.heap import keep_heap
 from engine_server.log import get_logger
 from engine_server.models import family, source_file
 from engine_server.results import ErrorInfo, ExactResult, InstallResult, MeasureResult, hardware
@@ -56,6 +57,8 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
+        # CPU: steady step times (engine_server.heap); False where not asked or not glibc
+        self.heap_kept = self.device.type == "cpu" and cfg.cpu_keep_heap and keep_heap()
         self.dtype = parse_dtype(cfg.dtype)
         mcfg, model_dir = resolve_model(cfg.model)
         if cfg.shrink:
@@ -170,7 +173,7 @@ class Engine:
 
     def memory(self) -> dict:
         if not self.cuda:
-            return {"weights_bytes": self.weight_bytes}
+            return {"weights_bytes": self.weight_bytes, "heap_kept": self.heap_kept}
         return {"weights_bytes": self.weight_bytes, "allocated": torch.cuda.memory_allocated(self.device),
                 "peak_allocated": torch.cuda.max_memory_allocated(self.device),
                 "reserved": torch.cuda.memory_reserved(self.device)}
