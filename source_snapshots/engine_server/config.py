@@ -118,6 +118,8 @@ class EngineConfig:
     implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
     capture_graphs: bool = True
     cpu_threads: int = 1  # torch threads on the CPU (0: torch's default); tiny models gain nothing from more
+    cpu_keep_heap: bool = True  # CPU: the process's freed memory stays in its heap and large blocks come from
+    # it (glibc mallopt: engine_server.heap), so a step's temporaries stop page-faulting afresh every step
 
     def resolved(self) -> "EngineConfig":
         from engine_server.traffic import DEFAULT_TRACE
