@@ -988,9 +988,8 @@ def _decode(state, batch):
             _add_norm(x, h, _linear(inp, weight, knob, pdl=pdl), norm_w, eps, pdl=pdl)
 
     layers = list(state.layers)
-    p = f"model.layers.{layers[0]}." if layers else ""
-    _add_norm(x, h, None, w[p + "input_layernorm.weight"] if layers else w["model.norm.weight"], eps, tokens,
-              w["model.embed_tokens.weight"], pdl=pdl)
+    first_norm = w[f"model.layers.{layers[0]}.input_layernorm.weight"] if layers else w["model.norm.weight"]
+    _add_norm(x, h, None, first_norm, eps, tokens, w["model.embed_tokens.weight"], pdl=pdl)  # x = embed[tokens]
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         qkv = _linear(h, t[p + "self_attn.qkv_proj.weight"], "qkv", pdl=pdl)
