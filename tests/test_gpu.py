@@ -112,7 +112,7 @@ def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
     assert tol.close and tol.tokens_equal and 0 < tol.tolerance_used <= 1.0, tol
     assert tol.tolerance["wide_dtype"] == "torch.float32"
     fm = cuda_engine.measure_fast(r.candidate_id)
-    assert fm.valid and fm.outputs_match == "close", fm
+    assert fm.valid and fm.outputs_match == "close", (fm.violations, fm.config.get("depth_check"), fm.config.get("stopped"))
     full = cuda_engine.measure_full(r.candidate_id)
     assert full.valid and full.outputs_match in ("tokens", "tokens-near-ties"), full
 
