@@ -56,7 +56,7 @@ def test_ladder_files_are_current():
     winner = (EXAMPLES / "llama_triton_decode_h200.py").read_text()
     assert '"EXACT_SOFTMAX": False, "FUSE_ROPE": True' in winner and '"PREFETCH_O": False' in winner
     assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True}' in winner and '"num_stages": 2, "PRELOAD_KV"' in winner
-    assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "IN_GEMV": False}' in winner
+    assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True}' in winner
 
 
 # ---- the Triton kernels under the interpreter ------------------------------------------
@@ -131,7 +131,6 @@ NOFUSE = {"FUSE_ROPE": False}  # RoPE and the K/V write in _rope_kv_kernel, not 
 PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the (PDL) wait
 EARLY = {"EARLY_INPUTS": True}  # position, slot and RoPE rows loaded before the (PDL) wait
 PIPE = {"PIPE": True}  # a GEMV's K steps loaded one step ahead
-IN_GEMV = {"IN_GEMV": True}  # the residual add and norm in the o and down GEMVs
 BF16_CASES = [
     {"rows": 1},
     {"rows": 3},
@@ -178,14 +177,8 @@ BF16_CASES = [
     {"rows": 2, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16} | PIPE, "o": PIPE,
                                             "gate_up": {"BLOCK_K": 32} | PIPE, "down": PIPE, "lm_head": PIPE,
                                             "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}}},
-    # the residual add and norm in the o / down GEMVs' last programs: ragged splits, the FMA
-    # and tl.dot paths, one split, no layers (the first norm only), with PRE loads
-    {"rows": 1, "layers": [0, 2], "knobs": {"norm": IN_GEMV, "o": {"SPLIT_K": 3, "BLOCK_K": 16},
-                                            "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2}}},
-    {"rows": 3, "layers": [1, 3], "knobs": {"norm": IN_GEMV, "o": {"SPLIT_K": 1}, "attn": SPLITS | ONLINE}},
-    {"rows": 2, "layers": [], "knobs": {"norm": IN_GEMV}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 23, 24)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22)]
 
 
 SCRIPT_HELPERS = r'''
@@ -293,8 +286,7 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
             "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
-            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}},
-           {"norm": {"IN_GEMV": True, "EARLY_TRIGGER": True}, "o": {"PRE": 4}, "down": {"PRE": 1}}]
+            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -332,9 +324,7 @@ for fn, grid, args, kw in launches:
                     early=bool(consts.get("EARLY_INPUTS")), evict_wanted=bool(consts.get("EVW") or consts.get("KV_EV")),
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
-                    trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait"),
-                    norm=bool(consts.get("NORM")), ticket="atom.global.gpu.acq_rel.add" in ptx,
-                    l2_loads="ld.global.cg" in ptx))
+                    trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
 
@@ -346,8 +336,7 @@ def test_pdl_kernels_compile_for_sm90():
     kernel or fused into attention, exact or online softmax) compiles for sm_90 with the PDL launch flag, waits on the kernel before it
     and lets the next one launch (after the wait, or before it with EARLY_TRIGGER); GEMVs with
     PF_STEPS and the first attention kernel with PREFETCH_O carry their L2 prefetches; GEMVs
-    with PRE and attention with PRELOAD_KV or EARLY_INPUTS issue loads before the wait; with
-    the norm in the GEMVs (IN_GEMV) those take their ticket as an acq_rel atomic."""
+    with PRE and attention with PRELOAD_KV or EARLY_INPUTS issue loads before the wait."""
     res = run_script(AOT_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False,
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
@@ -360,11 +349,6 @@ def test_pdl_kernels_compile_for_sm90():
         if r["preload"] or r["kernel"] == "_add_norm_kernel":  # the norm weight: always before
             assert r["load_before_wait"], r
     assert {r["pdl"] for r in res} == {1, 2}
-    # KNOBS["norm"]["IN_GEMV"]: the o / down GEMVs take a ticket (acq_rel, GPU scope) and the
-    # last program reads the partials through L2; no other kernel does either
-    assert any(r["norm"] for r in res)
-    for r in res:
-        assert r["ticket"] == r["l2_loads"] == r["norm"], r
     for kernel in ("_add_norm_kernel", "_attn_combine_kernel"):  # their own EARLY_TRIGGER
         assert {r["pdl"] for r in res if r["kernel"] == kernel} == {1, 2}, kernel
     assert {r["kernel"] for r in res if r["preload"]} == {"_gemv_kernel", "_attn_kernel"}

@@ -84,10 +84,11 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
 - PDL alone: 1,005 against 921 tok/s without it (h200_variants_pdl.json); L2 prefetches of
   the big GEMVs' weights before the wait cost more than they hide (827 with all of them);
   the norms fused into the GEMVs cost more than their launches (h200_variants_fuse_norm*.json).
-- The residual add and norm in the last program of the o and down GEMVs (KNOBS["norm"]["IN_GEMV"],
-  99 kernels a step instead of 131): 1,238 against 1,272 tok/s on the H200 winner
-  (h200_variants_in_gemv.json): each of their 512 programs takes a ticket on one counter, and
-  the last one's add and norm run on the GEMV's 4-8 warps where the norm kernel has 32.
+- The residual add and norm in the last program of the o and down GEMVs (a ticket atomic per
+  program, the last one adds and norms; 99 kernels a step instead of 131; measured at f690ba6,
+  then removed): 1,238 against 1,272 tok/s on the H200 winner (h200_variants_in_gemv.json):
+  each of their 512 programs takes a ticket on one counter, and the last one's add and norm
+  run on the GEMV's 4-8 warps where the norm kernel has 32.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
@@ -143,10 +144,7 @@ KNOBS = {
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
     # a kernel earlier; the next kernel still waits for this one's results
     "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
-    # IN_GEMV: the residual add and RMSNorm after the o and down projections run in that GEMV's
-    # last program to finish (a ticket counter: the one that draws the last ticket sees every
-    # partial stored) instead of an _add_norm launch: 2 fewer kernels a layer
-    "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "IN_GEMV": False},
+    "norm": {"num_warps": 16, "EARLY_TRIGGER": False},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -255,26 +253,14 @@ if HAVE_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _add_branch(x, br_base, offs, m, NBR, stride_br_s, like_ptr, BLOCK: tl.constexpr, CM: tl.constexpr):
+    def _add_branch(x, br_base, offs, m, NBR, stride_br_s, like_ptr, BLOCK: tl.constexpr):
         """x + the sum over s < NBR of the branch partials at br_base + s * stride_br_s + offs
         (any dtype), the branch rounded to like_ptr's dtype before the add and the sum after
-        it, as `x + linear(...)` rounds: float32. CM: the loads' cache modifier ("" or ".cg")."""
+        it, as `x + linear(...)` rounds: float32."""
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for s in range(0, NBR):
-            acc += tl.load(br_base + s * stride_br_s + offs, mask=m, other=0.0, cache_modifier=CM).to(tl.float32)
+            acc += tl.load(br_base + s * stride_br_s + offs, mask=m, other=0.0).to(tl.float32)
         return _round(x + _round(acc, like_ptr), like_ptr)
-
-    @triton.jit
-    def _norm_row(x, x_ptr, h_ptr, br_ptr, w, b, offs, m, D, NBR, stride_br_s, stride_br_b, eps,
-                  HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr, CM: tl.constexpr):
-        """Row b (float32 x, the norm weight w): HAS_BRANCH: x += its branch partials (as
-        _add_branch) and stored back; then h[b] = x * rsqrt(mean(x^2) + eps) * w, rounded once."""
-        if HAS_BRANCH:
-            x = _add_branch(x, br_ptr + b * stride_br_b, offs, m, NBR, stride_br_s, x_ptr, BLOCK_D, CM)
-            tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
-        var = tl.sum(x * x, axis=0) / D
-        r = 1.0 / tl.sqrt(var + eps)
-        tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
@@ -301,7 +287,12 @@ if HAVE_TRITON:
                 tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
         else:
             x = tl.load(x_ptr + b * D + offs, mask=m, other=0.0).to(tl.float32)
-        _norm_row(x, x_ptr, h_ptr, br_ptr, w, b, offs, m, D, NBR, stride_br_s, stride_br_b, eps, HAS_BRANCH, BLOCK_D, "")
+        if HAS_BRANCH:
+            x = _add_branch(x, br_ptr + b * stride_br_b, offs, m, NBR, stride_br_s, x_ptr, BLOCK_D)
+            tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
+        var = tl.sum(x * x, axis=0) / D
+        r = 1.0 / tl.sqrt(var + eps)
+        tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
     def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
@@ -332,8 +323,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, EVW: tl.constexpr,
-                     res_ptr, h_ptr, nw_ptr, ticket_ptr, eps, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PIPE: tl.constexpr, EVW: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -352,11 +342,6 @@ if HAVE_TRITON:
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
-        NORM (N == D, the hidden size): then, as _add_norm_kernel, res[b] += sum over s of out[s, b]
-        and h[b] = rms_norm(res[b]) * nw, for every row b, by the program that draws the last
-        ticket at ticket_ptr (an int32, zero before the launch): each program takes one after its
-        partials are stored (block barrier, then an acq_rel atomic at GPU scope), so the last
-        sees all of them (read through L2, .cg).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -462,17 +447,6 @@ if HAVE_TRITON:
             val = acc
         out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
         tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
-        if NORM:
-            tl.debug_barrier()  # every thread's partials stored before the program's ticket
-            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-                offs_d = tl.arange(0, BLOCK_D)
-                dm = offs_d < N
-                nw = tl.load(nw_ptr + offs_d, mask=dm, other=0.0).to(tl.float32)
-                for b in range(0, B):
-                    x = tl.load(res_ptr + b * N + offs_d, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    _norm_row(x, res_ptr, h_ptr, out_ptr, nw, b, offs_d, dm, N, tl.num_programs(1), stride_os,
-                              stride_ob, eps, True, BLOCK_D, ".cg")
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
@@ -833,13 +807,11 @@ def _line(t: torch.Tensor) -> int:
     return max(1, 128 // t.element_size())
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None):
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
-    norm = (res, h, weight, eps, ticket): the kernel's last program then adds the partials to
-    res [B, N] and writes h = rms_norm(res) * weight (as _add_norm; ticket: a zeroed int32).
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -865,18 +837,14 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
-                       **dict(zip(("res_ptr", "h_ptr", "nw_ptr", "eps", "ticket_ptr"),
-                                  norm if norm is not None else (x, x, x, 0.0, out))),
-                       NORM=norm is not None, BLOCK_D=_pow2(N) if norm is not None else 1,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
 
-def _linear(x, w, knob, silu=False, pdl=False, norm=None):
-    """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off;
-    `norm`: see _gemv, Triton only)."""
+def _linear(x, w, knob, silu=False, pdl=False):
+    """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, norm=norm)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -979,29 +947,23 @@ def _decode(state, batch):
     slots = batch.slots
     x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
     h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
+    emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
-    # KNOBS["norm"]["IN_GEMV"]: o's and down's last programs add and norm; one ticket each
-    in_gemv = _stage("gemv") and _stage("norm") and bool(KNOBS["norm"].get("IN_GEMV", False))
-    tickets = torch.zeros(2 * len(state.layers), device=dev, dtype=torch.int32) if in_gemv else None
+    branch = None  # partials of the last projection, added to x by the next norm
 
-    def add_norm_after(inp, weight, knob, norm_w, i):
-        """x += inp @ weight^T; h = rms_norm(x) * norm_w: in the GEMV's last program (ticket i),
-        or the GEMV then _add_norm."""
-        if in_gemv:
-            _linear(inp, weight, knob, pdl=pdl, norm=(x, h, norm_w, eps, tickets[i]))
-        else:
-            _add_norm(x, h, _linear(inp, weight, knob, pdl=pdl), norm_w, eps, pdl=pdl)
+    def normed_gemv(weight, norm_w, knob, silu=False):
+        """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
+        first = branch is None
+        _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl)
 
-    layers = list(state.layers)
-    first_norm = w[f"model.layers.{layers[0]}.input_layernorm.weight"] if layers else w["model.norm.weight"]
-    _add_norm(x, h, None, first_norm, eps, tokens, w["model.embed_tokens.weight"], pdl=pdl)  # x = embed[tokens]
-    for i, layer in enumerate(layers):
+    for layer in state.layers:
         p = f"model.layers.{layer}."
-        qkv = _linear(h, t[p + "self_attn.qkv_proj.weight"], "qkv", pdl=pdl)
+        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv")
         wo = w[p + "self_attn.o_proj.weight"]
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
-        add_norm_after(o, wo, "o", w[p + "post_attention_layernorm.weight"], 2 * i)
-        act = _linear(h, t[p + "mlp.gate_up_proj.weight"], "gate_up", silu=True, pdl=pdl)[0]
-        nxt = f"model.layers.{layers[i + 1]}.input_layernorm.weight" if i + 1 < len(layers) else "model.norm.weight"
-        add_norm_after(act, w[p + "mlp.down_proj.weight"], "down", w[nxt], 2 * i + 1)
-    return _linear(h, lm_head_weight(state), "lm_head", pdl=pdl)[0]
+        branch = _linear(o, wo, "o", pdl=pdl)
+        act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
+                          silu=True)[0]
+        branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
+    return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
