@@ -2,10 +2,12 @@
 
 glibc serves a block above its mmap threshold (128 KiB at first, raised as such blocks are
 freed) with a fresh mmap and unmaps it when freed, and gives freed memory at the heap's top
-back to the kernel past its trim threshold. A step's larger temporaries (a prefill's attention
-scores, say) then land on pages the kernel must fault in and zero again in every step: on the
-shrunk Llama preset the prefill's 90th-percentile step was 1.3-1.4x its median at full depth,
-1.03-1.05x with the heap kept (benchmarks/heap_bench.py, benchmarks/results/cpu_heap_*.json).
+back to the kernel past its trim threshold. Depending on the process's history of allocations,
+a step's larger temporaries (a prefill's attention scores, say) may then land on pages the kernel
+must fault in and zero again in every step: on the shrunk Llama preset 2 of 6 fresh engine
+processes did, in each of two runs (80-180 page faults a prefill step, its 90th-percentile step
+1.3-1.5x its median); with the heap kept none of 12 did (benchmarks/heap_bench.py,
+benchmarks/results/cpu_heap_*.json).
 `keep_heap` sets the thresholds so freed memory stays in the heap and is reused: the first
 steps fault their pages in, later ones reuse them. The process's resident memory stays at its
 peak instead of shrinking back. A no-op where the C library has no `mallopt` (not glibc).
