@@ -384,7 +384,7 @@ def fast(eng, cand) -> MeasureResult:
         r += 1
     t0 = time.perf_counter()  # fewer check rounds than the least: more rounds, drawn the same way
     more = _depth_rounds(eng, sides, plan, odds, rng, {sh.name: _depth_least(eng, sh) - len(depth["cand"][sh.name])
-                                                         for sh in checked}, {n for n in pool if depth["ref"][n]})
+                                                         for sh in checked}, set(pool), {n for n in pool if depth["ref"][n]})
     for s in sides:
         for name, xs in more[s].items():
             depth[s][name] += xs
@@ -536,15 +536,18 @@ def _depth_samples(eng, got: dict, check: set[str]) -> dict[str, float]:
 
 
 def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int],
-                  ref_skip: set[str] = frozenset()) -> dict:
+                  ref_once: set[str] = frozenset(), ref_done: set[str] = frozenset()) -> dict:
     """Whole rounds as the fast tier's (each drawn as a check round with the same odds) until
-    every shape in `need` has that many more check rounds (the reference: those not in
-    `ref_skip`); {side: {shape: [ratios]}}."""
+    every shape in `need` has that many more check rounds; the reference times a shape of
+    `ref_once` (its pool stands for it) at full depth once a call: not at all if it is in
+    `ref_done` (timed already), else in the first of these rounds that checks it.
+    {side: {shape: [ratios]}}."""
     out: dict = {s: {name: [] for name in need} for s in sides}
     r = 0
     while any(len(out["cand"][name]) < n for name, n in need.items()):
         check = _drawn(odds, rng, [name for name, n in need.items() if len(out["cand"][name]) < n])
-        got = _timed_round(eng, sides, plan, r, check, ref_skip=ref_skip)
+        skip = {n for n in ref_once if n in ref_done or out["ref"].get(n)}
+        got = _timed_round(eng, sides, plan, r, check, ref_skip=skip)
         for s in sides:
             for name, x in _depth_samples(eng, got[s], check).items():
                 out[s][name].append(x)
