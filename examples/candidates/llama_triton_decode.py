@@ -137,7 +137,8 @@ KNOBS = {
              "num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False},
     # EARLY_TRIGGER (with PDL): this group's kernels let the next kernel launch at their entry
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
-    # a kernel earlier; the next kernel still waits for this one's results
+    # a kernel earlier; the next kernel still waits for this one's results. The GEMV groups
+    # (qkv, o, gate_up, down, lm_head) and "attn" take the same key (off where absent)
     "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
     "norm": {"num_warps": 16, "EARLY_TRIGGER": False},
     "rope": {"num_warps": 2},
@@ -830,7 +831,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
-                       PDL=pdl, PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
+                       PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
@@ -912,7 +913,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
             kc.stride(0), kc.stride(1), kc.stride(2))
     rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
     meta = dict(H=H, G=G, GP=max(16, _pow2(G)), HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
-                BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=pdl,
+                BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=_early(pdl, "attn"),
                 num_warps=ka["num_warps"], num_stages=ka["num_stages"], **_launch(pdl))
     # PDL: the first attention kernel prefetches o_proj's weight, read two kernels later
     pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
