@@ -84,6 +84,10 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   then removed): 1,238 against 1,272 tok/s on the H200 winner (h200_variants_in_gemv.json):
   each of their 512 programs takes a ticket on one counter, and the last one's add and norm
   run on the GEMV's 4-8 warps where the norm kernel has 32.
+- gate_up launched earlier, to load more of its rows while the attention, combine and norm
+  run (o's and the attention's kernels triggering at entry; gate_up PRE 2 or 4): 1,142-1,258
+  against 1,272 tok/s, o's early trigger alone 1,274 (h200_variants_early_gemv.json): the
+  waiting kernels hold registers and warp slots that the kernels they overlap need.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
