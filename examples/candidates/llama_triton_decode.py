@@ -88,6 +88,9 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   run (o's and the attention's kernels triggering at entry; gate_up PRE 2 or 4): 1,142-1,258
   against 1,272 tok/s, o's early trigger alone 1,274 (h200_variants_early_gemv.json): the
   waiting kernels hold registers and warp slots that the kernels they overlap need.
+- Fewer, wider attention splits (h200_variants_attn_wide.json): NSPLIT 4 or 2 1,231 and
+  1,214, NSPLIT 1 with 256- or 512-key tiles (no combine kernel) 1,071-1,150 against 1,259:
+  one program per kv head cannot pull 128 KB of K/V fast enough (15-19 us a layer).
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
