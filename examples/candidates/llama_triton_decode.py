@@ -91,6 +91,13 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
 - Fewer, wider attention splits (h200_variants_attn_wide.json): NSPLIT 4 or 2 1,231 and
   1,214, NSPLIT 1 with 256- or 512-key tiles (no combine kernel) 1,071-1,150 against 1,259:
   one program per kv head cannot pull 128 KB of K/V fast enough (15-19 us a layer).
+- The add and norm made inside the next GEMV (NORM_IN at bce73e1, since removed: after its
+  wait each program sums the residual and partials for the row's rsqrt and makes each K step's
+  columns of h itself): gate_up 1,195, qkv 1,204, both 1,140 against 1,259-1,261 tok/s
+  (h200_variants_norm_in.json): making h's columns slows the weight stream more than the norm
+  kernel costs. And the order of a GEMV step's loads matters: with the weight tile's load
+  issued before the x tile's the same KNOBS ran at 769 tok/s, gate_up at 1.68 TB/s
+  (h200_variants_load_order.json); _gemv_tiles loads x first.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
@@ -115,9 +122,6 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
-    # NORM_IN (batch 1; not the first norm, which gathers the embedding): the GEMV adds the
-    # branch partials to the residual and norms the row itself, in every program, instead of
-    # the _add_norm kernel before it (off where absent).
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
             "PIPE": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -269,15 +273,6 @@ if HAVE_TRITON:
         return _round(x + _round(acc, like_ptr), like_ptr)
 
     @triton.jit
-    def _normed_cols(res_ptr, br_ptr, nw_ptr, offs, m, NBR, stride_br_s, r, BLOCK: tl.constexpr):
-        """Columns `offs` of h = rms_norm(res + sum of the branch partials) for one row, as
-        _add_norm_kernel rounds them, given the row's r = rsqrt(mean(x^2) + eps): [1, BLOCK]."""
-        x = _add_branch(tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32), br_ptr, offs, m, NBR,
-                        stride_br_s, res_ptr, BLOCK)
-        w = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        return _to(x * r * w, res_ptr)[None, :]
-
-    @triton.jit
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
                          D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
                          GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -311,11 +306,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVW: tl.constexpr, LOAD_X: tl.constexpr = True):
+                    BLOCK_K: tl.constexpr, EVW: tl.constexpr):
         """The tiles of K step k0 of a GEMV: x [BLOCK_B, BLOCK_K], w and (SILU) up rows
         [BLOCK_N, BLOCK_K]; zeros past K and past the masked rows. Without SILU the third is x.
-        EVW: the weight loads' L2 eviction policy ("" default, or "evict_first"). Without
-        LOAD_X the first is the w tile (the caller makes x itself: NORM_IN)."""
+        EVW: the weight loads' L2 eviction policy ("" default, or "evict_first")."""
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             wm = n_mask[:, None]
@@ -324,11 +318,10 @@ if HAVE_TRITON:
             k_mask = offs_k < K
             wm = n_mask[:, None] & k_mask[None, :]
             xm = b_mask[:, None] & k_mask[None, :]
-        if LOAD_X:  # x first: the order of these loads moves gate_up's bandwidth on the H200
-            xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        # x before w: with the weight tile's load issued first, gate_up ran at half its
+        # bandwidth on the H200 (h200_variants_load_order.json)
+        xt = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
         wt = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVW)
-        if not LOAD_X:
-            xt = wt
         if SILU:
             wu = tl.load(wu_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy=EVW)
         else:
@@ -342,9 +335,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, EVW: tl.constexpr,
-                     res_ptr, br_ptr, nw_ptr, xo_ptr, NBR, stride_br_s, eps,
-                     NORM_IN: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PIPE: tl.constexpr, EVW: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -363,11 +354,6 @@ if HAVE_TRITON:
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
-        NORM_IN (B == 1, the FMA path): x is h = rms_norm(res + sum over s < NBR of the branch
-        partials br[s]) with norm weight nw, as _add_norm_kernel computes and rounds it: each
-        program reduces the whole row for its rsqrt after the wait and makes the columns of
-        each K step itself (no norm kernel, no h in memory); program (0, 0) stores the new
-        residual res + branch to xo (another buffer than res: the other programs still read res).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -400,14 +386,6 @@ if HAVE_TRITON:
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
         _pdl_wait(PDL)
-        if NORM_IN:  # the row's new residual and its rsqrt
-            offs_d = tl.arange(0, BLOCK_D)
-            md = offs_d < K
-            xr = _add_branch(tl.load(res_ptr + offs_d, mask=md, other=0.0).to(tl.float32), br_ptr, offs_d, md,
-                             NBR, stride_br_s, res_ptr, BLOCK_D)
-            if (pid_n == 0) & (pid_k == 0):
-                tl.store(xo_ptr + offs_d, _to(xr, xo_ptr), mask=md)
-            r = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / K + eps)
         if USE_DOT:
             acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
@@ -422,10 +400,7 @@ if HAVE_TRITON:
                 xpm = b_mask[:, None]
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
-            if NORM_IN:
-                xp = _normed_cols(res_ptr, br_ptr, nw_ptr, offs_p, offs_p < K, NBR, stride_br_s, r, PRE_K)
-            else:
-                xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
@@ -437,24 +412,14 @@ if HAVE_TRITON:
                     pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
         if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
             kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
-            xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW,
-                                           not NORM_IN)
+            xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
         for k0 in range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K):
-            if NORM_IN:  # this step's columns of h, made before its weight loads are issued
-                offs_x = k0 + tl.arange(0, BLOCK_K)
-                xh = _normed_cols(res_ptr, br_ptr, nw_ptr, offs_x, offs_x < K, NBR, stride_br_s, r, BLOCK_K)
             if PIPE:  # this step's tiles arrived last step; the next step's are loaded now
                 xt, wt, wu = xt_n, wt_n, wu_n
                 kc = tl.minimum(k0 + BLOCK_K, k_lo + K_SPLIT - BLOCK_K)
-                xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K,
-                                               EVW, not NORM_IN)
+                xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             else:
-                xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW,
-                                         not NORM_IN)
-            if NORM_IN:
-                xt = xh
-                if not SILU:
-                    wu = xt
+                xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             if USE_DOT:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
@@ -854,13 +819,11 @@ def _line(t: torch.Tensor) -> int:
     return max(1, 128 // t.element_size())
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None):
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
-    norm = (res, branch, weight, eps, res_out), B == 1: x is rms_norm(res + sum(branch)) made
-    inside the kernel (NORM_IN; x itself is not read), and res_out gets res + sum(branch).
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -871,8 +834,6 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     split = triton.cdiv(K, k_split)
     even_k = k_split * split == K  # no partial K block anywhere: loads need no K mask
     use_dot = B >= int(KNOBS["gemv_dot_min_rows"])
-    if norm is not None and (use_dot or B != 1):
-        raise ValueError("NORM_IN: one row, on the FMA path")
     bb = max(16, int(KNOBS["gemv_dot_block_b"])) if use_dot else 1
     if use_dot:
         bn = max(16, bn)
@@ -888,18 +849,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
-                       **_norm_args(norm, x), NORM_IN=norm is not None, BLOCK_D=_pow2(K) if norm is not None else 1,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
-
-
-def _norm_args(norm, x) -> dict:
-    """The GEMV kernel's NORM_IN arguments; x in the tensors' place without it (unread)."""
-    if norm is None:
-        return dict(res_ptr=x, br_ptr=x, nw_ptr=x, xo_ptr=x, NBR=0, stride_br_s=0, eps=0.0)
-    res, branch, weight, eps, res_out = norm
-    return dict(res_ptr=res, br_ptr=branch, nw_ptr=weight, xo_ptr=res_out, NBR=branch.shape[0],
-                stride_br_s=branch.stride(0), eps=eps)
 
 
 def _linear(x, w, knob, silu=False, pdl=False):
@@ -1006,26 +957,16 @@ def _decode(state, batch):
     tokens = batch.tokens[:, 0]
     pos = batch.positions[:, -1]
     slots = batch.slots
-    # the residual stream: xs[0] (and, once a GEMV makes its own norm, xs[1]: it writes the
-    # new residual to the other buffer while its programs still read this one)
-    xs = [torch.empty(B, D, device=dev, dtype=dtype)]
+    x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
     h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
     branch = None  # partials of the last projection, added to x by the next norm
 
     def normed_gemv(weight, norm_w, knob, silu=False):
-        """_add_norm (the first: x = embed[tokens]), then the GEMV of h; with the GEMV group's
-        NORM_IN (batch 1, after the first) the GEMV adds and norms itself."""
+        """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
         first = branch is None
-        if (not first and B == 1 and KNOBS[knob].get("NORM_IN", False) and _stage("gemv") and _stage("norm")
-                and B < int(KNOBS["gemv_dot_min_rows"])):
-            if len(xs) == 1:
-                xs.append(torch.empty_like(xs[0]))
-            out = _gemv(h, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(xs[0], branch, norm_w, eps, xs[1]))
-            xs.reverse()
-            return out
-        _add_norm(xs[0], h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
+        _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
         return _linear(h, weight, knob, silu=silu, pdl=pdl)
 
     for layer in state.layers:
