@@ -361,6 +361,51 @@ def test_pdl_kernels_compile_for_sm90():
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
 
 
+LAUNCH_PDL_SCRIPT = r'''
+import json, sys
+import torch
+from triton.runtime.jit import JITFunction
+from engine_server.candidate import load_module
+from engine_server.config import resolve_model, shrink
+from engine_server.models import llama as ref
+from engine_server.state import State, decode_batch, new_cache
+from engine_server.weights import init_weights
+
+mod = load_module("launch_pdl", open(sys.argv[1]).read())
+mod._supported = lambda state, batch: True
+mod._pdl_capable = lambda dev: True
+launches = []
+JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self.__name__, args, kw)))
+cfg = shrink(resolve_model("llama-3.2-1b")[0])
+weights = init_weights(cfg, 0, torch.bfloat16, "cpu")
+tables = ref.tables(cfg, weights, 64, torch.bfloat16, "cpu")
+k, v = new_cache(cfg, 2, 64, torch.bfloat16, "cpu")
+state = State(cfg, weights, k, v, tables, (0,))
+apply_knobs(mod.KNOBS, json.loads(sys.argv[2]))
+mod.forward(state, decode_batch(torch.tensor([7]), torch.tensor([5]), torch.tensor([0])))
+out = []
+for name, args, kw in launches:
+    w = args[1] if name == "_gemv_kernel" else None
+    what = name if w is None else ("o" if tuple(w.shape) == (cfg.hidden_size, cfg.num_heads * cfg.head_dim) else "gemv")
+    out.append({"what": what, "pdl": kw["PDL"]})
+print("RESULTS " + json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_early_trigger_per_gemv_group_and_attention():
+    """KNOBS[group]["EARLY_TRIGGER"] for a GEMV group ("o" here) and for "attn" launches just
+    those kernels with PDL mode 2 (trigger at entry); every other kernel keeps mode 1."""
+    knobs = {"o": {"EARLY_TRIGGER": True}, "attn": {"EARLY_TRIGGER": True},
+             "pdl": {"enabled": True, "EARLY_TRIGGER": False}}
+    res = run_script(LAUNCH_PDL_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"), json.dumps(knobs)], interpret=False)
+    modes: dict = {}
+    for r in res:
+        modes.setdefault(r["what"], set()).add(r["pdl"])
+    assert modes["o"] == {2} and modes["_attn_kernel"] == {2}, modes
+    assert modes["gemv"] == {1} and modes["_add_norm_kernel"] == {1}, modes
+
+
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------
 
 ATTN_CHECK_SCRIPT = r'''
