@@ -257,11 +257,11 @@ def test_triton_decode_under_the_interpreter(dtype):
 
 # ---- the PDL path, compiled for sm_90 without a GPU ------------------------------------
 
-AOT_SCRIPT = r'''
+# a decode step's kernel launches recorded, not run (argv[1]: the example's path): `mod`,
+# `state` (shrunk Llama, every layer, 3 cache rows), `launches` [(kernel, grid, args, kwargs)]
+LAUNCHES_SETUP = r'''
 import json, sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 from engine_server.candidate import load_module
 from engine_server.config import resolve_model, shrink
@@ -269,7 +269,7 @@ from engine_server.models import llama as ref
 from engine_server.state import State, decode_batch, new_cache
 from engine_server.weights import init_weights
 
-mod = load_module("aot_pdl", open(sys.argv[1]).read())
+mod = load_module("launches", open(sys.argv[1]).read())
 mod._supported = lambda state, batch: True
 mod._pdl_capable = lambda dev: True
 launches = []
@@ -279,6 +279,11 @@ weights = init_weights(cfg, 0, torch.bfloat16, "cpu")
 tables = ref.tables(cfg, weights, 64, torch.bfloat16, "cpu")
 k, v = new_cache(cfg, 3, 64, torch.bfloat16, "cpu")
 state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
+'''
+
+AOT_SCRIPT = LAUNCHES_SETUP + r'''
+import triton
+from triton.backends.compiler import GPUTarget
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
@@ -361,32 +366,13 @@ def test_pdl_kernels_compile_for_sm90():
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
 
 
-LAUNCH_PDL_SCRIPT = r'''
-import json, sys
-import torch
-from triton.runtime.jit import JITFunction
-from engine_server.candidate import load_module
-from engine_server.config import resolve_model, shrink
-from engine_server.models import llama as ref
-from engine_server.state import State, decode_batch, new_cache
-from engine_server.weights import init_weights
-
-mod = load_module("launch_pdl", open(sys.argv[1]).read())
-mod._supported = lambda state, batch: True
-mod._pdl_capable = lambda dev: True
-launches = []
-JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self.__name__, args, kw)))
-cfg = shrink(resolve_model("llama-3.2-1b")[0])
-weights = init_weights(cfg, 0, torch.bfloat16, "cpu")
-tables = ref.tables(cfg, weights, 64, torch.bfloat16, "cpu")
-k, v = new_cache(cfg, 2, 64, torch.bfloat16, "cpu")
-state = State(cfg, weights, k, v, tables, (0,))
+LAUNCH_PDL_SCRIPT = LAUNCHES_SETUP + r'''
 apply_knobs(mod.KNOBS, json.loads(sys.argv[2]))
 mod.forward(state, decode_batch(torch.tensor([7]), torch.tensor([5]), torch.tensor([0])))
 out = []
-for name, args, kw in launches:
-    w = args[1] if name == "_gemv_kernel" else None
-    what = name if w is None else ("o" if tuple(w.shape) == (cfg.hidden_size, cfg.num_heads * cfg.head_dim) else "gemv")
+for fn, grid, args, kw in launches:
+    w = args[1] if fn.__name__ == "_gemv_kernel" else None
+    what = fn.__name__ if w is None else ("o" if tuple(w.shape) == (cfg.hidden_size, cfg.num_heads * cfg.head_dim) else "gemv")
     out.append({"what": what, "pdl": kw["PDL"]})
 print("RESULTS " + json.dumps(out))
 '''
