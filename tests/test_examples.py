@@ -291,7 +291,10 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
             "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
-            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}}]
+            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}},
+           {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
+            "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1},
+            "down": {"EARLY_TRIGGER": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -329,6 +332,8 @@ for fn, grid, args, kw in launches:
                     early=bool(consts.get("EARLY_INPUTS")), evict_wanted=bool(consts.get("EVW") or consts.get("KV_EV")),
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
+                    norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
+                    atomic_wanted=bool(consts.get("ATOMIC")), atomic="red.global" in ptx or "atom.global" in ptx,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
@@ -351,8 +356,9 @@ def test_pdl_kernels_compile_for_sm90():
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
         assert r["trigger_before_wait"] == (r["pdl"] == 2), r
-        if r["preload"] or r["kernel"] == "_add_norm_kernel":  # the norm weight: always before
+        if r["preload"] or (r["kernel"] == "_add_norm_kernel" and r["norm"]):  # the norm weight: always before
             assert r["load_before_wait"], r
+        assert r["atomic"] == r["atomic_wanted"], r  # o and down add into the residual (FOLD), and only they
     assert {r["pdl"] for r in res} == {1, 2}
     for kernel in ("_add_norm_kernel", "_attn_combine_kernel"):  # their own EARLY_TRIGGER
         assert {r["pdl"] for r in res if r["kernel"] == kernel} == {1, 2}, kernel
@@ -364,6 +370,10 @@ def test_pdl_kernels_compile_for_sm90():
     for r in res:  # L2 eviction priorities where KNOBS["l2"] asks for them, and only there
         assert r["evict"] == r["evict_wanted"], r
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
+    # FOLD: the step's one norm-group kernel only gathers; qkv, gate_up and lm_head fold their
+    # norm in (qkv's split summing its row's squares apart), o and down add atomically
+    assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) == 3
+    assert sum(r["atomic"] for r in res) == 2
 
 
 LAUNCH_PDL_SCRIPT = LAUNCHES_SETUP + r'''

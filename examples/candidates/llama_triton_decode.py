@@ -154,7 +154,11 @@ KNOBS = {
     # a kernel earlier; the next kernel still waits for this one's results. The GEMV groups
     # (qkv, o, gate_up, down, lm_head) and "attn" take the same key (off where absent)
     "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
-    "norm": {"num_warps": 16, "EARLY_TRIGGER": False},
+    # FOLD (batch 1, FMA GEMVs): no norm kernels. The residual stream stays in float32, o and
+    # down add into it atomically, and qkv, gate_up and lm_head fold the norm before them into
+    # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
+    # not rounded where the reference rounds (the tolerance gate's concern)
+    "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -276,19 +280,21 @@ if HAVE_TRITON:
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
                          D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
                          GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, NORM: tl.constexpr = True):
         """One program per row b (x, h: [B, D] contiguous, model dtype).
 
         GATHER: x[b] = emb[tok[b]] first (the embedding lookup). HAS_BRANCH: x[b] += the sum
         over s < NBR of br[s, b] (split-K partials, any dtype), the branch rounded to the
         model dtype before the add and the sum after it, as `x + linear(...)` rounds.
-        Then h[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, rounded once.
+        Then h[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, rounded once (NORM; without it x
+        only: the first kernel of a step whose GEMVs fold the norms in).
         """
         _pdl_enter(PDL)
         b = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
+        if NORM:
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
         _pdl_wait(PDL)
         if GATHER:
             tok = tl.load(tok_ptr + b * stride_tok)
@@ -300,9 +306,10 @@ if HAVE_TRITON:
         if HAS_BRANCH:
             x = _add_branch(x, br_ptr + b * stride_br_b, offs, m, NBR, stride_br_s, x_ptr, BLOCK_D)
             tl.store(x_ptr + b * D + offs, _to(x, x_ptr), mask=m)
-        var = tl.sum(x * x, axis=0) / D
-        r = 1.0 / tl.sqrt(var + eps)
-        tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
+        if NORM:
+            var = tl.sum(x * x, axis=0) / D
+            r = 1.0 / tl.sqrt(var + eps)
+            tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
 
     @triton.jit
     def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
@@ -329,13 +336,26 @@ if HAVE_TRITON:
         return xt, wt, wu
 
     @triton.jit
+    def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
+        """A float32 residual tile [1, n] at columns offs_k -> (x * g, x * x): the norm weight
+        g's columns applied, the squares for the row's rsqrt (zeros past K)."""
+        if EVEN_K:
+            gt = tl.load(g_ptr + offs_k)
+        else:
+            gt = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0)
+        xf = xt.to(tl.float32)
+        return xf * gt.to(tl.float32)[None, :], xf * xf
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
                      stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, EVW: tl.constexpr):
+                     PIPE: tl.constexpr, EVW: tl.constexpr,
+                     g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ATOMIC: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -354,6 +374,13 @@ if HAVE_TRITON:
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
+        FOLD (B == 1, the FMA path; KNOBS["norm"]["FOLD"]): x is the float32 residual stream and
+        the GEMV is of rms_norm(x) * g (norm weight g): each K step's x tile is multiplied by g's
+        and its squares summed, and the output scaled by rsqrt(sum / K + eps) at the end (a
+        row's scale is common to all its products, so no pass over x comes first). SS_ROW (a
+        split of K): the squares are summed over the whole row, loaded at once after the wait.
+        ATOMIC (B == 1): the program adds its partial into out[b, n] (float32: the residual
+        stream) instead of storing partials for the next kernel to sum.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -386,6 +413,12 @@ if HAVE_TRITON:
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
         _pdl_wait(PDL)
+        if FOLD:
+            if SS_ROW:  # the whole row, for its sum of squares (summed at the end)
+                offs_d = tl.arange(0, BLOCK_D)
+                xrow = tl.load(x_ptr + offs_d, mask=offs_d < K, other=0.0)
+            else:
+                ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)
         if USE_DOT:
             acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
@@ -401,6 +434,10 @@ if HAVE_TRITON:
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
             xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            if FOLD:
+                xp, ssp = _folded(xp, g_ptr, offs_p, K, EVEN_K)
+                if not SS_ROW:
+                    ss_pre = tl.sum(ssp, axis=1)  # [1]
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
@@ -420,6 +457,10 @@ if HAVE_TRITON:
                 xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             else:
                 xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
+            if FOLD:
+                xt, sst = _folded(xt, g_ptr, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
+                if not SS_ROW:
+                    ss += sst
             if USE_DOT:
                 acc += _dot(xt, tl.trans(wt), IEEE)
                 if SILU:
@@ -450,6 +491,17 @@ if HAVE_TRITON:
             acc = red[None, :]  # [1, BLOCK_N]
             if SILU:
                 acc_u = red_u[None, :]
+        if FOLD:  # the norm's scale, common to the row's products
+            if SS_ROW:
+                sq = tl.sum(xrow * xrow, axis=0)
+            else:
+                sq = tl.sum(ss, axis=1)  # [1]
+                if PRE_K > 0:
+                    sq += ss_pre
+            r = 1.0 / tl.sqrt(sq / K + eps)
+            acc = acc * r
+            if SILU:
+                acc_u = acc_u * r
         if SILU:
             g = _round(acc, out_ptr)
             u = _round(acc_u, out_ptr)
@@ -457,8 +509,12 @@ if HAVE_TRITON:
             val = act * u
         else:
             val = acc
-        out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
-        tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
+        if ATOMIC:  # every split adds into the same row
+            out = out_ptr + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
+            tl.atomic_add(out, val, mask=b_mask[:, None] & n_mask[None, :], sem="relaxed")
+        else:
+            out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
+            tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
@@ -819,11 +875,14 @@ def _line(t: torch.Tensor) -> int:
     return max(1, 128 // t.element_size())
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False):
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
+    Batch 1 only: norm = (g, eps) makes it the GEMV of rms_norm(x) * g (x: the float32
+    residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
+    (atomically, every split) and is returned.
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -837,18 +896,23 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     bb = max(16, int(KNOBS["gemv_dot_block_b"])) if use_dot else 1
     if use_dot:
         bn = max(16, bn)
+    if (norm is not None or into is not None) and (use_dot or B != 1):
+        raise ValueError("a folded norm or an atomic add: one row, on the FMA path")
     dtype = torch.float32 if split > 1 or out_dtype is None else out_dtype
-    out = torch.empty(split, B, N, device=x.device, dtype=dtype)
+    out = into if into is not None else torch.empty(split, B, N, device=x.device, dtype=dtype)
+    g, eps = norm if norm is not None else (w, 0.0)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
-                       x.stride(0), w.stride(0), out.stride(0), out.stride(1),
+                       x.stride(0), w.stride(0), *((0, out.stride(0)) if into is not None else out.stride()[:2]),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
+                       g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
+                       BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
@@ -961,6 +1025,9 @@ def _decode(state, batch):
     h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
+    if B == 1 and B < int(KNOBS["gemv_dot_min_rows"]) and KNOBS["norm"].get("FOLD", False) and _stage("norm") \
+            and _stage("gemv"):
+        return _decode_folded(state, batch, pdl)
     branch = None  # partials of the last projection, added to x by the next norm
 
     def normed_gemv(weight, norm_w, knob, silu=False):
@@ -979,3 +1046,29 @@ def _decode(state, batch):
                           silu=True)[0]
         branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
     return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
+
+
+def _decode_folded(state, batch, pdl):
+    """Batch 1 with KNOBS["norm"]["FOLD"]: no norm kernels. The residual stream is float32;
+    o and down add their products into it (atomically, every split) and each GEMV after a
+    norm folds that norm in (_gemv's norm): one kernel first for the embedding row."""
+    cfg, w, t = state.config, state.weights, state.tables
+    D, eps = cfg.hidden_size, cfg.norm_eps
+    x = torch.empty(1, D, device=state.device, dtype=torch.float32)
+    emb = w["model.embed_tokens.weight"]
+    tok = batch.tokens[:, 0]
+    _add_norm_kernel[(1,)](x, x, x, x, tok, emb, D, 0, 0, 0, tok.stride(0), emb.stride(0), eps,
+                           GATHER=True, HAS_BRANCH=False, BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), NORM=False,
+                           num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
+    pos, slots = batch.positions[:, -1], batch.slots
+    for layer in state.layers:
+        p = f"model.layers.{layer}."
+        qkv = _gemv(x, t[p + "self_attn.qkv_proj.weight"], "qkv", out_dtype=state.dtype, pdl=pdl,
+                    norm=(w[p + "input_layernorm.weight"], eps))
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl)
+        _gemv(o, w[p + "self_attn.o_proj.weight"], "o", pdl=pdl, into=x)
+        act = _gemv(x, t[p + "mlp.gate_up_proj.weight"], "gate_up", out_dtype=state.dtype, silu=True, pdl=pdl,
+                    norm=(w[p + "post_attention_layernorm.weight"], eps))[0]
+        _gemv(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl, into=x)
+    return _gemv(x, lm_head_weight(state), "lm_head", out_dtype=state.dtype, pdl=pdl,
+                 norm=(w["model.norm.weight"], eps))[0]
