@@ -117,6 +117,29 @@ def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
     assert full.valid and full.outputs_match in ("tokens", "tokens-near-ties"), full
 
 
+def test_triton_decode_with_folded_norms_passes_the_tolerance_gate(cuda_engine):
+    """KNOBS["norm"]["FOLD"] (no norm kernels, a float32 residual that o and down add into
+    atomically): the graph replays what the eager step computes to within a last-bit flip of
+    the atomics' order, and the pass stays within the tolerance gate with identical tokens."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    fold = src.replace('"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}', 1)
+    assert fold != src
+    r = cuda_engine.submit_forward_pass(fold, name="triton-fold")
+    assert r.ok and r.graphs, (r.error, r.notes)
+    c = cuda_engine.candidates[r.candidate_id]
+    st = cuda_engine.candidate_state(c)
+    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
+                     torch.tensor([0], device="cuda"))
+    eager, replay = c.forward(st, b).float(), c.graphs.run(st, b).float()
+    assert torch.allclose(eager, replay, rtol=2e-2, atol=2e-2 * eager.abs().max().item())
+    tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
+    assert tol.close and tol.tokens_equal and 0 < tol.tolerance_used <= 1.0, tol
+    fm = cuda_engine.measure_fast(r.candidate_id)
+    assert fm.valid and fm.outputs_match == "close", (fm.violations, fm.config.get("stopped"))
+
+
 @pytest.mark.gpu
 def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
     """KNOBS["pdl"] on launches the same kernels with programmatic dependent launch and L2

@@ -1,12 +1,15 @@
 """The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):
 llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention
 (without PRELOAD_KV, its inputs loaded before the PDL wait, two pipeline stages), and
-kernels that let the next one launch at their entry (the norms and the attention combine)
-so that all of qkv's and o_proj's weight shares and gate_up's first K step load while the
-kernel before runs; L2 priorities (weights evict-first, K/V evict-last); the norms on 32
-warps and the combine on one.
-1,280.0 tok/s (781 us a token): 2.52x the engine reference's 507.8, 1.76x torch.compile's
-728.3, 15.0x HF's 85.5 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
+no norm kernels (KNOBS["norm"]["FOLD"]: a float32 residual stream that o_proj and down
+add into atomically, each norm folded into the K loop of the GEMV after it; qkv unsplit),
+and kernels that let the next one launch at their entry (the attention combine, o_proj,
+down) so that all of qkv's and o_proj's weight shares and the first K step of gate_up's and
+down's load while the kernel before runs; L2 priorities (weights evict-first, K/V
+evict-last); the combine on one warp.
+1,312.2 tok/s (762 us a token) against the earlier winner's 1,260.4 (its KNOBS without the
+fold, the qkv split and the two early triggers) in one variants run
+(benchmarks/results/h200_variants_fold_sweep.json).
 Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the
 tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart
 at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py
@@ -136,13 +139,15 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
-    "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
+    "qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
             "PIPE": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
+          "EARLY_TRIGGER": True,
           "PIPE": False},
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
                 "REDUCE_EACH": True, "PIPE": False},
     "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
+             "EARLY_TRIGGER": True,
              "PIPE": False},
     "lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
                 "PIPE": False},
@@ -172,7 +177,7 @@ KNOBS = {
     # down add into it atomically, and qkv, gate_up and lm_head fold the norm before them into
     # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
     # not rounded where the reference rounds (the tolerance gate's concern)
-    "norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": False},
+    "norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything

@@ -48,25 +48,32 @@ WINNERS = {
          ('"num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False},',
           '"num_stages": 2, "PRELOAD_KV": False, "EARLY_INPUTS": True},'),
          ('"o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
-          '"o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,'),
+          '"o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,\n'
+          '          "EARLY_TRIGGER": True,'),
          ('"combine": {"num_warps": 2, "EARLY_TRIGGER": False},', '"combine": {"num_warps": 1, "EARLY_TRIGGER": True},'),
          ('"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
-          '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,'),
+          '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,'),
+         ('"down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,',
+          '"down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,\n'
+          '             "EARLY_TRIGGER": True,'),
          ('"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
           '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,'),
          ('"norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},',
-          '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": False},'),
+          '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True},'),
          ('"l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False},',
           '"l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True},')],
         "The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):\n"
         "llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention\n"
         "(without PRELOAD_KV, its inputs loaded before the PDL wait, two pipeline stages), and\n"
-        "kernels that let the next one launch at their entry (the norms and the attention combine)\n"
-        "so that all of qkv's and o_proj's weight shares and gate_up's first K step load while the\n"
-        "kernel before runs; L2 priorities (weights evict-first, K/V evict-last); the norms on 32\n"
-        "warps and the combine on one.\n"
-        "1,280.0 tok/s (781 us a token): 2.52x the engine reference's 507.8, 1.76x torch.compile's\n"
-        "728.3, 15.0x HF's 85.5 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).\n"
+        "no norm kernels (KNOBS[\"norm\"][\"FOLD\"]: a float32 residual stream that o_proj and down\n"
+        "add into atomically, each norm folded into the K loop of the GEMV after it; qkv unsplit),\n"
+        "and kernels that let the next one launch at their entry (the attention combine, o_proj,\n"
+        "down) so that all of qkv's and o_proj's weight shares and the first K step of gate_up's and\n"
+        "down's load while the kernel before runs; L2 priorities (weights evict-first, K/V\n"
+        "evict-last); the combine on one warp.\n"
+        "1,312.2 tok/s (762 us a token) against the earlier winner's 1,260.4 (its KNOBS without the\n"
+        "fold, the qkv split and the two early triggers) in one variants run\n"
+        "(benchmarks/results/h200_variants_fold_sweep.json).\n"
         "Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the\n"
         "tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart\n"
         "at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py\n"
