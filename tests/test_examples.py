@@ -55,7 +55,7 @@ def test_ladder_files_are_current():
         assert (EXAMPLES / name).read_text() == mod.render(name), f"{name} is stale: run make_ladder.py"
     winner = (EXAMPLES / "llama_triton_decode_h200.py").read_text()
     assert '"EXACT_SOFTMAX": False, "FUSE_ROPE": True' in winner and '"PREFETCH_O": False' in winner
-    assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True}' in winner and '"num_stages": 2, "PRELOAD_KV"' in winner
+    assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True}' in winner and '"num_stages": 1, "PRELOAD_KV"' in winner
     assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True}' in winner
     assert '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1,' in winner
 
