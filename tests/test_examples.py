@@ -191,13 +191,8 @@ BF16_CASES = [
     {"rows": 1, "layers": [1], "knobs": FOLD | {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
                                                 "lm_head": PIPE, "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
     {"rows": 2, "layers": [1, 3], "knobs": FOLD},
-    # with o's MERGE: o_proj merges the attention splits itself (online and exact softmax; a row
-    # block wider than o's rows)
-    {"rows": 1, "knobs": FOLD | {"o": {"MERGE": True}, "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
-    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"o": {"MERGE": True, "MERGE_BLOCK_N": 256, "MERGE_WARPS": 2},
-                                                   "attn": SPLITS | EXACT}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26, 27, 28)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26)]
 
 
 SCRIPT_HELPERS = r'''
@@ -318,9 +313,7 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
             "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}},
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1},
-            "down": {"EARLY_TRIGGER": True}},
-           {"norm": {"FOLD": True}, "o": {"MERGE": True, "EARLY_TRIGGER": True},
-            "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}}]
+            "down": {"EARLY_TRIGGER": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -359,8 +352,7 @@ for fn, grid, args, kw in launches:
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
-                    atomic_wanted=bool(consts.get("ATOMIC")) or fn.__name__ == "_merge_o_kernel",
-                    atomic="red.global" in ptx or "atom.global" in ptx,
+                    atomic_wanted=bool(consts.get("ATOMIC")), atomic="red.global" in ptx or "atom.global" in ptx,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
@@ -378,12 +370,12 @@ def test_pdl_kernels_compile_for_sm90():
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
     assert kernels == {"_add_norm_kernel", "_gemv_kernel", "_rope_kv_kernel", "_attn_kernel",
-                       "_attn_combine_kernel", "_merge_o_kernel"}, kernels
+                       "_attn_combine_kernel"}, kernels
     for r in res:
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
         assert r["trigger_before_wait"] == (r["pdl"] == 2), r
-        if r["preload"] or (r["kernel"] == "_add_norm_kernel" and r["norm"]) or r["kernel"] == "_merge_o_kernel":
+        if r["preload"] or (r["kernel"] == "_add_norm_kernel" and r["norm"]):  # the norm weight: always before
             assert r["load_before_wait"], r
         assert r["atomic"] == r["atomic_wanted"], r  # o and down add into the residual (FOLD), and only they
     assert {r["pdl"] for r in res} == {1, 2}
@@ -398,11 +390,9 @@ def test_pdl_kernels_compile_for_sm90():
         assert r["evict"] == r["evict_wanted"], r
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
     # FOLD: the step's one norm-group kernel only gathers; qkv, gate_up and lm_head fold their
-    # norm in (qkv's split summing its row's squares apart), o and down add atomically (with
-    # o's MERGE, o_proj's kernel merges the attention splits and adds atomically too)
-    assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) >= 3
-    assert {r["kernel"] for r in res if r["fold"]} == {"_gemv_kernel"}
-    assert {r["kernel"] for r in res if r["atomic"]} == {"_gemv_kernel", "_merge_o_kernel"}
+    # norm in (qkv's split summing its row's squares apart), o and down add atomically
+    assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) == 3
+    assert sum(r["atomic"] for r in res) == 2
 
 
 LAUNCH_PDL_SCRIPT = LAUNCHES_SETUP + r'''
@@ -434,10 +424,7 @@ def test_early_trigger_per_gemv_group_and_attention():
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''
 apply_knobs(mod.KNOBS, {"norm": {"FOLD": True}})
 out = []
-for rows in (1, 2, "merge"):
-    if rows == "merge":
-        apply_knobs(mod.KNOBS, {"o": {"MERGE": True}})
-        rows = 1
+for rows in (1, 2):
     launches.clear()
     mod.forward(state, decode_batch(torch.tensor([7, 11][:rows]), torch.tensor([5, 9][:rows]),
                                     torch.tensor([0, 1][:rows])))
@@ -458,9 +445,8 @@ print("RESULTS " + json.dumps(out))
 def test_folded_norms_launch_no_norm_kernels():
     """KNOBS["norm"]["FOLD"]: a batch-1 step launches one gather kernel and no norm kernel; per
     layer qkv and gate_up fold their norm in, o and down add into the residual atomically, and
-    lm_head folds the final norm. A batch of 2 keeps the norm kernels (FMA GEMVs only fold).
-    With o's MERGE the combine kernel goes too: o_proj's kernel merges the attention splits."""
-    one, two, merged = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False)
+    lm_head folds the final norm. A batch of 2 keeps the norm kernels (FMA GEMVs only fold)."""
+    one, two = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False)
     layer = ["gemv_fold", "_attn_kernel", "_attn_kernel", "_attn_combine_kernel", "gemv_atomic", "gemv_fold",
              "gemv_atomic"]  # the shipped attention: exact softmax, two passes, RoPE in its own kernel
     layer.insert(1, "_rope_kv_kernel")
@@ -469,9 +455,6 @@ def test_folded_norms_launch_no_norm_kernels():
     assert "norm" not in one["kinds"] and n == 4
     assert two["kinds"].count("norm") == 2 * n + 1 and "gather" not in two["kinds"], two["kinds"]
     assert not {"gemv_fold", "gemv_atomic"} & set(two["kinds"])
-    # o's MERGE: no combine kernel; o_proj's kernel merges the splits and adds into the residual
-    layer_m = layer[:4] + ["_merge_o_kernel"] + layer[6:]
-    assert merged["kinds"] == ["gather"] + layer_m * n + ["gemv_fold"], merged["kinds"]
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

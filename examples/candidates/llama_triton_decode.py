@@ -175,9 +175,7 @@ KNOBS = {
     # FOLD (batch 1, FMA GEMVs): no norm kernels. The residual stream stays in float32, o and
     # down add into it atomically, and qkv, gate_up and lm_head fold the norm before them into
     # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
-    # not rounded where the reference rounds (the tolerance gate's concern). With it, o's MERGE
-    # (attention NSPLIT > 1): no combine kernel; o_proj runs one program per (MERGE_BLOCK_N rows,
-    # head) on MERGE_WARPS warps, each merging its head's attention splits itself
+    # not rounded where the reference rounds (the tolerance gate's concern)
     "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
@@ -852,38 +850,6 @@ if HAVE_TRITON:
             out = tl.sum(acc, axis=0)
         tl.store(o_ptr + bh * HD + d, _to(out, o_ptr))
 
-    @triton.jit
-    def _merge_o_kernel(po_ptr, pm_ptr, pl_ptr, w_ptr, x_ptr, N, stride_wn,
-                        HD: tl.constexpr, NSPLIT: tl.constexpr, NS_P: tl.constexpr, WEIGHTED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PDL: tl.constexpr, EVW: tl.constexpr):
-        """Batch 1, grid (cdiv(N, BLOCK_N), H): x[n] += sum over d of w[n, h * HD + d] * o_h[d]
-        (atomically: x is the float32 residual stream), where o_h is head h's attention output
-        merged from its NSPLIT partials as _attn_combine_kernel merges and rounds it. The
-        program's weight tile is loaded before the wait; no combine kernel, no o in memory."""
-        _pdl_enter(PDL)
-        pid_n = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = offs_n < N
-        d = tl.arange(0, HD)
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + h * HD + d[None, :], mask=nm[:, None],
-                    other=0.0, eviction_policy=EVW)
-        _pdl_wait(PDL)
-        s = tl.arange(0, NS_P)
-        sm = s < NSPLIT
-        acc = tl.load(po_ptr + (h * NSPLIT + s)[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0)
-        if WEIGHTED:
-            m = tl.load(pm_ptr + h * NSPLIT + s, mask=sm, other=float("-inf"))
-            l = tl.load(pl_ptr + h * NSPLIT + s, mask=sm, other=0.0)
-            mx = tl.max(m, axis=0)
-            wgt = tl.where(sm, tl.exp(m - mx), 0.0)
-            out = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(l * wgt, axis=0)
-        else:
-            out = tl.sum(acc, axis=0)
-        xo = _round(out, w_ptr)  # the attention output in the model dtype, as the combine stores it
-        val = tl.sum(w.to(tl.float32) * xo[None, :], axis=1)
-        tl.atomic_add(x_ptr + offs_n, val, mask=nm, sem="relaxed")
-
 
 # ---- launchers -------------------------------------------------------------------------
 
@@ -1003,12 +969,10 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
     h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, merge=False):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
-    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2.
-    merge (NSPLIT > 1): no combine kernel; returns the splits' (partials, maxima, sums, whether
-    they are weighted) for _merge_o_kernel."""
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -1060,8 +1024,6 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, mer
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "", **meta)
-    if merge and nsplit > 1:
-        return po, pm, pl, not exact
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
@@ -1104,20 +1066,6 @@ def _decode(state, batch):
     return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
 
 
-def _merge_o(parts, wo, x, hd, pdl):
-    """x += o_proj(attention output) from the attention's split partials (KNOBS["o"]["MERGE"]):
-    one program per (BLOCK_N rows, head), each merging its head's splits itself."""
-    po, pm, pl, weighted = parts
-    N, H, nsplit = wo.shape[0], po.shape[1], po.shape[2]
-    kn = KNOBS["o"]
-    bn = int(kn.get("MERGE_BLOCK_N", 64))
-    _merge_o_kernel[(triton.cdiv(N, bn), H)](po, pm, pl, wo, x, N, wo.stride(0), HD=hd, NSPLIT=nsplit,
-                                             NS_P=_pow2(nsplit), WEIGHTED=weighted, BLOCK_N=bn,
-                                             PDL=_early(pdl, "o"),
-                                             EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
-                                             num_warps=int(kn.get("MERGE_WARPS", 4)), **_launch(pdl))
-
-
 def _decode_folded(state, batch, pdl):
     """Batch 1 with KNOBS["norm"]["FOLD"]: no norm kernels. The residual stream is float32;
     o and down add their products into it (atomically, every split) and each GEMV after a
@@ -1131,17 +1079,12 @@ def _decode_folded(state, batch, pdl):
                            GATHER=True, HAS_BRANCH=False, BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), NORM=False,
                            num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
     pos, slots = batch.positions[:, -1], batch.slots
-    merge = bool(KNOBS["o"].get("MERGE", False))
     for layer in state.layers:
         p = f"model.layers.{layer}."
         qkv = _gemv(x, t[p + "self_attn.qkv_proj.weight"], "qkv", out_dtype=state.dtype, pdl=pdl,
                     norm=(w[p + "input_layernorm.weight"], eps))
-        wo = w[p + "self_attn.o_proj.weight"]
-        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, merge=merge)
-        if isinstance(o, tuple):
-            _merge_o(o, wo, x, cfg.head_dim, pdl)
-        else:
-            _gemv(o, wo, "o", pdl=pdl, into=x)
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl)
+        _gemv(o, w[p + "self_attn.o_proj.weight"], "o", pdl=pdl, into=x)
         act = _gemv(x, t[p + "mlp.gate_up_proj.weight"], "gate_up", out_dtype=state.dtype, silu=True, pdl=pdl,
                     norm=(w[p + "post_attention_layernorm.weight"], eps))[0]
         _gemv(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl, into=x)
