@@ -121,6 +121,9 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   the row); then lm_head BLOCK_N 16 with REDUCE_EACH and attention num_stages 1, 1,333-1,335
   against 1,320-1,322 (h200_variants_fold_confirm.json). The gate: tolerance, the logits' error
   1.89 against the bf16 reference's 1.79 (0.57 of the bound; 1.78 before), tokens identical.
+  Slower on top of it: the attention splits merged inside o_proj (one program per row block
+  and head, no combine kernel; o's MERGE at c1dab03, since removed): 1,296-1,310 against
+  1,332-1,337 tok/s (h200_variants_fold_merge_o.json).
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
