@@ -447,9 +447,9 @@ def test_folded_norms_launch_no_norm_kernels():
     layer qkv and gate_up fold their norm in, o and down add into the residual atomically, and
     lm_head folds the final norm. A batch of 2 keeps the norm kernels (FMA GEMVs only fold)."""
     one, two = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py")], interpret=False)
-    layer = ["gemv_fold", "_attn_kernel", "_attn_kernel", "_attn_combine_kernel", "gemv_atomic", "gemv_fold",
-             "gemv_atomic"]  # the shipped attention: exact softmax, two passes, RoPE in its own kernel
-    layer.insert(1, "_rope_kv_kernel")
+    # the shipped attention: RoPE in its own kernel, exact softmax in two passes
+    layer = ["gemv_fold", "_rope_kv_kernel", "_attn_kernel", "_attn_kernel", "_attn_combine_kernel", "gemv_atomic",
+             "gemv_fold", "gemv_atomic"]
     n = len([k for k in one["kinds"] if k == "_rope_kv_kernel"])
     assert one["kinds"] == ["gather"] + layer * n + ["gemv_fold"], one["kinds"]
     assert "norm" not in one["kinds"] and n == 4

@@ -320,7 +320,7 @@ if HAVE_TRITON:
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
                          D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
                          GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr, NORM: tl.constexpr = True):
+                         PDL: tl.constexpr, NORM: tl.constexpr):
         """One program per row b (x, h: [B, D] contiguous, model dtype).
 
         GATHER: x[b] = emb[tok[b]] first (the embedding lookup). HAS_BRANCH: x[b] += the sum
@@ -967,9 +967,9 @@ def _linear(x, w, knob, silu=False, pdl=False):
     return F.linear(x, w)[None]
 
 
-def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
+def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=True):
     """x += sum(branch) (rounded as the reference rounds); h = rms_norm(x). With tokens/emb:
-    x = emb[tokens] first. In place on x [B, D] and h [B, D]."""
+    x = emb[tokens] first. In place on x [B, D] and h [B, D]. norm=False: x only (h unused)."""
     B, D = x.shape
     if _stage("norm"):
         br = branch if branch is not None else x
@@ -981,14 +981,15 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False):
                                tok.stride(0) if tokens is not None else 0,
                                e.stride(0) if emb is not None else 0, eps,
                                GATHER=tokens is not None, HAS_BRANCH=branch is not None,
-                               BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), num_warps=KNOBS["norm"]["num_warps"],
-                               **_launch(pdl))
+                               BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), NORM=norm,
+                               num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
         return
     if tokens is not None:
         x.copy_(F.embedding(tokens, emb))
     if branch is not None:
         x.add_(branch.sum(0).to(x.dtype) if branch.shape[0] > 1 else branch[0].to(x.dtype))
-    h.copy_(F.rms_norm(x, (D,), weight, eps))
+    if norm:
+        h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
@@ -1061,54 +1062,44 @@ def _decode(state, batch):
     tokens = batch.tokens[:, 0]
     pos = batch.positions[:, -1]
     slots = batch.slots
-    x = torch.empty(B, D, device=dev, dtype=dtype)  # the residual stream
-    h = torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
+    # KNOBS["norm"]["FOLD"] (batch 1, FMA GEMVs): no norm kernels. The residual stream is
+    # float32, o and down add their products into it (atomically, every split) and each GEMV
+    # after a norm folds that norm in (_gemv's norm); one kernel first for the embedding row
+    fold = (B == 1 and B < int(KNOBS["gemv_dot_min_rows"]) and KNOBS["norm"].get("FOLD", False)
+            and _stage("norm") and _stage("gemv"))
+    x = torch.empty(B, D, device=dev, dtype=torch.float32 if fold else dtype)  # the residual stream
+    h = x if fold else torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
-    if B == 1 and B < int(KNOBS["gemv_dot_min_rows"]) and KNOBS["norm"].get("FOLD", False) and _stage("norm") \
-            and _stage("gemv"):
-        return _decode_folded(state, batch, pdl)
     branch = None  # partials of the last projection, added to x by the next norm
+    first = True
 
     def normed_gemv(weight, norm_w, knob, silu=False):
-        """_add_norm (the first: x = embed[tokens]), then the GEMV of h."""
-        first = branch is None
-        _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl)
+        """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
+        rms_norm(x) itself (the first after the embedding row's own kernel)."""
+        nonlocal first
+        if first or not fold:
+            _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl,
+                      norm=not fold)
+        first = False
+        if fold:
+            return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps))
         return _linear(h, weight, knob, silu=silu, pdl=pdl)
+
+    def project(a, weight, knob):
+        """The branch for the next norm to add (FOLD: added into x now, none left)."""
+        if fold:
+            _gemv(a, weight, knob, pdl=pdl, into=x)
+            return None
+        return _linear(a, weight, knob, pdl=pdl)
 
     for layer in state.layers:
         p = f"model.layers.{layer}."
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv")
         wo = w[p + "self_attn.o_proj.weight"]
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
-        branch = _linear(o, wo, "o", pdl=pdl)
+        branch = project(o, wo, "o")
         act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
                           silu=True)[0]
-        branch = _linear(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl)
+        branch = project(act, w[p + "mlp.down_proj.weight"], "down")
     return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
-
-
-def _decode_folded(state, batch, pdl):
-    """Batch 1 with KNOBS["norm"]["FOLD"]: no norm kernels. The residual stream is float32;
-    o and down add their products into it (atomically, every split) and each GEMV after a
-    norm folds that norm in (_gemv's norm): one kernel first for the embedding row."""
-    cfg, w, t = state.config, state.weights, state.tables
-    D, eps = cfg.hidden_size, cfg.norm_eps
-    x = torch.empty(1, D, device=state.device, dtype=torch.float32)
-    emb = w["model.embed_tokens.weight"]
-    tok = batch.tokens[:, 0]
-    _add_norm_kernel[(1,)](x, x, x, x, tok, emb, D, 0, 0, 0, tok.stride(0), emb.stride(0), eps,
-                           GATHER=True, HAS_BRANCH=False, BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), NORM=False,
-                           num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
-    pos, slots = batch.positions[:, -1], batch.slots
-    for layer in state.layers:
-        p = f"model.layers.{layer}."
-        qkv = _gemv(x, t[p + "self_attn.qkv_proj.weight"], "qkv", out_dtype=state.dtype, pdl=pdl,
-                    norm=(w[p + "input_layernorm.weight"], eps))
-        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl)
-        _gemv(o, w[p + "self_attn.o_proj.weight"], "o", pdl=pdl, into=x)
-        act = _gemv(x, t[p + "mlp.gate_up_proj.weight"], "gate_up", out_dtype=state.dtype, silu=True, pdl=pdl,
-                    norm=(w[p + "post_attention_layernorm.weight"], eps))[0]
-        _gemv(act, w[p + "mlp.down_proj.weight"], "down", pdl=pdl, into=x)
-    return _gemv(x, lm_head_weight(state), "lm_head", out_dtype=state.dtype, pdl=pdl,
-                 norm=(w["model.norm.weight"], eps))[0]
