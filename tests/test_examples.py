@@ -303,17 +303,19 @@ state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 AOT_SCRIPT = LAUNCHES_SETUP + r'''
 import triton
 from triton.backends.compiler import GPUTarget
-CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True}},
+CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True},
+                "l2": {"GATE_UP_STEPS": 1, "BY": "o", "AT": "entry"}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
             "pdl": {"EARLY_TRIGGER": True}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
-            "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1},
+            "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1, "BLOCK_K": 32},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
-            "combine": {"EARLY_TRIGGER": True}, "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True}},
+            "combine": {"EARLY_TRIGGER": True},
+            "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 8, "BY": "qkv"}},
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
-            "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1},
-            "down": {"EARLY_TRIGGER": True}}]
+            "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
+            "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -343,9 +345,12 @@ for fn, grid, args, kw in launches:
     opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl") if o in kw}
     c = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = c.asm["ptx"]
+    assert c.asm.get("cubin"), "no sm_90 machine code"
     out.append(dict(kernel=fn.__name__, launch_pdl=bool(c.metadata.launch_pdl), wait="griddepcontrol.wait" in ptx,
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
+                    bulk="cp.async.bulk.prefetch.L2.global" in ptx, l2_at=consts.get("L2_AT", 0),
+                    bulk_before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
                     preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
                     early=bool(consts.get("EARLY_INPUTS")), evict_wanted=bool(consts.get("EVW") or consts.get("KV_EV")),
@@ -378,6 +383,9 @@ def test_pdl_kernels_compile_for_sm90():
         if r["preload"] or (r["kernel"] == "_add_norm_kernel" and r["norm"]):  # the norm weight: always before
             assert r["load_before_wait"], r
         assert r["atomic"] == r["atomic_wanted"], r  # o and down add into the residual (FOLD), and only they
+        assert r["bulk"] == (r["l2_at"] > 0), r  # KNOBS["l2"]["GATE_UP_STEPS"]: before or after the wait
+        if r["bulk"]:
+            assert r["bulk_before_wait"] == (r["l2_at"] == 1), r
     assert {r["pdl"] for r in res} == {1, 2}
     for kernel in ("_add_norm_kernel", "_attn_combine_kernel"):  # their own EARLY_TRIGGER
         assert {r["pdl"] for r in res if r["kernel"] == kernel} == {1, 2}, kernel
@@ -393,6 +401,8 @@ def test_pdl_kernels_compile_for_sm90():
     # norm in (qkv's split summing its row's squares apart), o and down add atomically
     assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) == 3
     assert sum(r["atomic"] for r in res) == 2
+    bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}
+    assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2)}, bulk
 
 
 LAUNCH_PDL_SCRIPT = LAUNCHES_SETUP + r'''
@@ -419,6 +429,43 @@ def test_early_trigger_per_gemv_group_and_attention():
         modes.setdefault(r["what"], set()).add(r["pdl"])
     assert modes["o"] == {2} and modes["_attn_kernel"] == {2}, modes
     assert modes["gemv"] == {1} and modes["_add_norm_kernel"] == {1}, modes
+
+
+L2_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''
+apply_knobs(mod.KNOBS, json.loads(sys.argv[2]))
+mod.forward(state, decode_batch(torch.tensor([7]), torch.tensor([5]), torch.tensor([0])))
+gu = [state.tables[f"model.layers.{i}.mlp.gate_up_proj.weight"].data_ptr() for i in range(cfg.num_layers)]
+names = {(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim: "qkv", cfg.hidden_size: "o"}
+out = []
+for fn, grid, args, kw in launches:
+    if kw.get("L2_AT"):
+        what = names.get(args[1].shape[0], "gemv") if fn.__name__ == "_gemv_kernel" else fn.__name__
+        out.append({"what": what, "at": kw["L2_AT"], "ptr": kw["l2_ptr"].data_ptr(), "rows": kw["l2_rows"],
+                    "stride": kw["l2_stride"], "bytes": kw["l2_bytes"], "ch": kw["L2_CH"], "warps": kw["num_warps"]})
+print("RESULTS " + json.dumps({"out": out, "gate_up": gu, "I": cfg.intermediate_size, "D": cfg.hidden_size}))
+'''
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("by,at,steps,pre,bk", [("qkv", "wait", 2, 1, 32), ("attn", "entry", 100, 0, 256),
+                                                ("o", "wait", 1, 2, 32)])
+def test_gate_up_l2_prefetch_goes_to_the_layer_gate_up_weight(by, at, steps, pre, bk):
+    """KNOBS["l2"]["GATE_UP_STEPS"] with PDL: in each layer exactly the kernel BY names (the first
+    attention kernel for "attn") asks, AT its entry (1) or after its wait (2), for the K steps
+    of every row of that layer's gate_up weight that follow gate_up's PRE (at most to the end
+    of the row), one row a thread; without PDL, none."""
+    ex = str(EXAMPLES / "llama_triton_decode.py")
+    knobs = {"l2": {"GATE_UP_STEPS": steps, "BY": by, "AT": at}, "norm": {"FOLD": True},
+             "gate_up": {"PRE": pre, "BLOCK_K": bk}}
+    res = run_script(L2_LAUNCHES_SCRIPT, [ex, json.dumps(knobs)], interpret=False)
+    what = "_attn_kernel" if by == "attn" else by
+    D, skip = res["D"], pre * bk
+    want = [{"what": what, "at": {"entry": 1, "wait": 2}[at], "ptr": p + 2 * skip, "rows": 2 * res["I"],
+             "stride": 2 * D, "bytes": 2 * (min(D, skip + steps * bk) - skip)} for p in res["gate_up"]]
+    assert [{k: r[k] for k in want[0]} for r in res["out"]] == want and want[0]["bytes"] > 0
+    assert all(r["ch"] == 32 * r["warps"] for r in res["out"])
+    knobs["pdl"] = {"enabled": False}
+    assert run_script(L2_LAUNCHES_SCRIPT, [ex, json.dumps(knobs)], interpret=False)["out"] == []
 
 
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''

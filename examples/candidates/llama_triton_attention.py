@@ -196,7 +196,12 @@ KNOBS = {
     # L2 eviction priorities: the GEMVs' weight loads marked evict-first (each is read once a
     # step), the attention's K/V loads evict-last (read again next step), so the K/V cache and
     # the step's activations may stay in L2 while the weights stream past
-    "l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False},
+    # GATE_UP_STEPS (with PDL): every row of the layer's gate_up weight has its GATE_UP_STEPS
+    # K steps after gate_up's PRE pulled into L2 by bulk prefetches (cp.async.bulk.prefetch,
+    # one instruction per row) from the kernel BY ("qkv", "attn": the first attention kernel,
+    # or "o"), AT its "entry" or right after its "wait": each gate_up program's chain of loads
+    # is shorter, and that part of the weight streams while the attention chain runs
+    "l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False, "GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait"},
     "stages": {"attention": True, "norm": False, "gemv": False},
 }
 
@@ -293,6 +298,24 @@ if HAVE_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _prefetch_rows(base, rows, stride, nbytes, pid, nprog, CH: tl.constexpr):
+        """Program pid of nprog's share of a bulk L2 prefetch of `nbytes` (a multiple of 16)
+        at base + r * stride (bytes, 16-byte aligned) for each row r < rows: one
+        cp.async.bulk.prefetch (sm_90, a hint) per row, CH rows (one a thread) at a time.
+        Weights only."""
+        per = tl.cdiv(rows, nprog)
+        lo = pid * per
+        hi = tl.minimum(lo + per, rows)
+        b8 = base.to(tl.pointer_type(tl.int8))
+        for j0 in range(lo, hi, CH):
+            r = j0 + tl.arange(0, CH)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                "mov.u32 $0, 0; }", "=r,l,r,r",
+                [b8 + r.to(tl.int64) * stride, nbytes + 0 * r, (r < hi).to(tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _add_branch(x, br_base, offs, m, NBR, stride_br_s, like_ptr, BLOCK: tl.constexpr):
         """x + the sum over s < NBR of the branch partials at br_base + s * stride_br_s + offs
         (any dtype), the branch rounded to like_ptr's dtype before the add and the sum after
@@ -381,7 +404,8 @@ if HAVE_TRITON:
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
                      PIPE: tl.constexpr, EVW: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ATOMIC: tl.constexpr):
+                     ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
+                     L2_CH: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -407,6 +431,8 @@ if HAVE_TRITON:
         split of K): the squares are summed over the whole row, loaded at once after the wait.
         ATOMIC (B == 1): the program adds its partial into out[b, n] (float32: the residual
         stream) instead of storing partials for the next kernel to sum.
+        L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
+        l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's weight rows).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -420,6 +446,10 @@ if HAVE_TRITON:
         x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
         k_lo = pid_k * K_SPLIT
         _pdl_enter(PDL)
+        l2_pid = (pid_b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
+        l2_nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if L2_AT == 1:
+            _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if PRE_K > 0:  # weights only: no kernel writes them
             offs_p = k_lo + tl.arange(0, PRE_K)
             if EVEN_K:
@@ -439,6 +469,8 @@ if HAVE_TRITON:
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
         _pdl_wait(PDL)
+        if L2_AT == 2:
+            _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
             if SS_ROW:  # the whole row, for its sum of squares (summed at the end)
                 offs_d = tl.arange(0, BLOCK_D)
@@ -674,7 +706,8 @@ if HAVE_TRITON:
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr):
+                     EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
+                     l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -701,11 +734,17 @@ if HAVE_TRITON:
         EARLY_INPUTS (or PRELOAD_KV): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
         at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
         KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
+        L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
+        l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's weight rows).
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         _pdl_enter(PDL)
+        l2_pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + sp
+        l2_nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        if L2_AT == 1:
+            _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         d = tl.arange(0, HD)
         if PRELOAD_KV or EARLY_INPUTS:  # the step's inputs and tables: before the wait
             pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
@@ -720,6 +759,8 @@ if HAVE_TRITON:
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
         if not PRELOAD_KV:
             _pdl_wait(PDL)
+            if L2_AT == 2:
+                _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
             if not EARLY_INPUTS:
                 pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
                                                 stride_cos, d, FUSE_ROPE)
@@ -741,6 +782,8 @@ if HAVE_TRITON:
             if PHASE != 1:
                 vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
             _pdl_wait(PDL)
+            if L2_AT == 2:
+                _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
             q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2), q_ptr)
@@ -901,14 +944,35 @@ def _line(t: torch.Tensor) -> int:
     return max(1, 128 // t.element_size())
 
 
-def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None):
+def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
+    """The bulk L2 prefetch arguments of `kernel`'s launch ("qkv", "attn" or "o"; num_warps
+    its warps): with PDL and KNOBS["l2"]["GATE_UP_STEPS"] > 0, where KNOBS["l2"]["BY"] names
+    this kernel, the K steps of every row of the layer's gate_up weight `w_gu` [2N, K] that
+    follow gate_up's PRE; else none (L2_AT 0, `other`, any tensor, as the unused pointer)."""
+    l2, kn = KNOBS["l2"], KNOBS["gate_up"]
+    steps = int(l2.get("GATE_UP_STEPS", 0))
+    none = dict(l2_ptr=other, l2_rows=0, l2_stride=0, l2_bytes=0, L2_AT=0, L2_CH=1)
+    if not pdl or w_gu is None or steps <= 0 or l2.get("BY", "attn") != kernel:
+        return none
+    K, es, bk = w_gu.shape[1], w_gu.element_size(), int(kn["BLOCK_K"])
+    pre = _pow2_floor(min(int(kn.get("PRE", 0)), triton.cdiv(K, bk))) * bk
+    nbytes = (min(K, pre + steps * bk) - pre) * es
+    if nbytes <= 0 or nbytes % 16 or (pre * es) % 16 or w_gu.stride(0) * es % 16 or w_gu.data_ptr() % 16:
+        return none
+    return dict(l2_ptr=w_gu[:, pre:], l2_rows=w_gu.shape[0], l2_stride=w_gu.stride(0) * es, l2_bytes=nbytes,
+                L2_AT={"entry": 1, "wait": 2}[l2.get("AT", "wait")], L2_CH=32 * int(num_warps))
+
+
+def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
+          w_gu=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
     and out_dtype given, [1, B, N] in out_dtype. With silu: [1, B, N] = silu(gate) * up.
     Batch 1 only: norm = (g, eps) makes it the GEMV of rms_norm(x) * g (x: the float32
     residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
-    (atomically, every split) and is returned.
+    (atomically, every split) and is returned. w_gu: the layer's gate_up weight, for
+    _l2_prefetch.
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -939,14 +1003,14 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
-                       num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
+                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]), num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
     return out
 
 
-def _linear(x, w, knob, silu=False, pdl=False):
+def _linear(x, w, knob, silu=False, pdl=False, w_gu=None):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -978,10 +1042,11 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
-    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2."""
+    KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
+    w_gu (the layer's gate_up weight) as _l2_prefetch says."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -1032,7 +1097,9 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None):
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
-                                      KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "", **meta)
+                                      KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
+                                      **_l2_prefetch("attn" if i == 0 else "", pdl, w_gu, o, ka["num_warps"]),
+                                      **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
@@ -1060,7 +1127,7 @@ def _decode(state, batch):
     branch = None  # partials of the last projection, added to x by the next norm
     first = True
 
-    def normed_gemv(weight, norm_w, knob, silu=False):
+    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
         rms_norm(x) itself (the first after the embedding row's own kernel)."""
         nonlocal first
@@ -1069,23 +1136,24 @@ def _decode(state, batch):
                       norm=not fold)
         first = False
         if fold:
-            return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps))
-        return _linear(h, weight, knob, silu=silu, pdl=pdl)
+            return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu)
 
-    def project(a, weight, knob):
+    def project(a, weight, knob, w_gu=None):
         """The branch for the next norm to add (FOLD: added into x now, none left)."""
         if fold:
-            _gemv(a, weight, knob, pdl=pdl, into=x)
+            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu)
             return None
-        return _linear(a, weight, knob, pdl=pdl)
+        return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu)
 
     for layer in state.layers:
         p = f"model.layers.{layer}."
-        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv")
+        w_gu = t[p + "mlp.gate_up_proj.weight"]
+        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu)
         wo = w[p + "self_attn.o_proj.weight"]
-        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None)
-        branch = project(o, wo, "o")
-        act = normed_gemv(t[p + "mlp.gate_up_proj.weight"], w[p + "post_attention_layernorm.weight"], "gate_up",
-                          silu=True)[0]
+        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
+                       w_gu=w_gu if _stage("gemv") else None)
+        branch = project(o, wo, "o", w_gu=w_gu)
+        act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True)[0]
         branch = project(act, w[p + "mlp.down_proj.weight"], "down")
     return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]

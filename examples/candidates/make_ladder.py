@@ -63,8 +63,8 @@ WINNERS = {
           '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,'),
          ('"norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},',
           '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True},'),
-         ('"l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False},',
-          '"l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True},')],
+         ('"l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False,',
+          '"l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True,')],
         "The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):\n"
         "llama_triton_decode.py with online softmax, RoPE and the K/V write fused into attention\n"
         "(without PRELOAD_KV, its inputs loaded before the PDL wait, one pipeline stage), and\n"
