@@ -36,7 +36,7 @@ variants)  # KNOBS variants of a candidate (BASE, default the decode one) side b
     for f in "$base" "$OUT"/variants/variants/*.py; do  # PROFILE: only these variant names
         name=$(basename "$f" .py); name=${name#"$(basename "$base" .py)"-}
         [[ -z "${PROFILE:-}" || " $PROFILE " == *" $name "* ]] || continue
-        python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "$f" \
+        python3 benchmarks/profile_step.py --exact-repeats 0 --order --resources --candidate "$f" \
             >"$OUT/profile_$(basename "$f" .py).txt" 2>&1 || true
     done
     ;;

@@ -7,7 +7,10 @@ The step is the candidate's captured batch-1 CUDA graph, replayed (eager if it h
 after warm-up. Prints kernel time by kernel name; with --order, each kernel in the order it
 ran with its start relative to the end of the one before (negative: they overlapped, as
 programmatic dependent launch lets them), the step's span from first start to last end, and
-for Triton GEMVs (qkv, o, gate_up, down per layer, then lm_head) the time by projection.
+for Triton GEMVs (qkv, o, gate_up, down per layer, then lm_head) the time by projection. With
+--resources, each Triton kernel the candidate compiled: registers, spills, shared memory,
+warps, its block-size constexprs, and how many of its programs one SM holds by registers
+(65,536 a multiprocessor, allocated per warp in 256s) and by warps (64).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def main() -> int:
     p.add_argument("--candidate", default=None)
     p.add_argument("--exact-repeats", type=int, default=3)
     p.add_argument("--order", action="store_true", help="list the kernels in order, with gaps and overlaps")
+    p.add_argument("--resources", action="store_true", help="registers, spills and programs per SM of each kernel")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, device="cuda"))
     for i in range(a.exact_repeats):
@@ -91,7 +95,34 @@ def main() -> int:
                 print(f"  gemv {proj:<8} {us:8.1f} us  {nbytes / us / 1e6:6.2f} TB/s")
         for gap, e in zip([0.0] + gaps, kernels):
             print(f"  {gap:+7.1f} {e.time_range.elapsed_us():7.1f} us  {e.name[:60]}")
+    if a.resources and cand.module is not None:
+        resources(cand.module)
     return 0
+
+
+SHOWN = ("SILU", "ATOMIC", "FOLD", "BLOCK_N", "BLOCK_K", "PRE_K", "PHASE", "BLOCK_S", "NSPLIT", "L2_AT")
+
+
+def resources(module) -> None:
+    """Print each compiled variant of the module's Triton kernels (see the module docstring)."""
+    from triton.runtime.jit import JITFunction
+    for name, fn in sorted(vars(module).items()):
+        if not isinstance(fn, JITFunction):
+            continue
+        for cache in fn.device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()
+                warps = k.metadata.num_warps
+                per_warp = -(-k.n_regs * 32 // 256) * 256
+                by_regs = 65536 // (per_warp * warps)
+                shown = {}
+                for c, v in (getattr(getattr(k, "src", None), "constants", None) or {}).items():
+                    c = c[0] if isinstance(c, tuple) and c else c  # (index,) keys in some Triton versions
+                    c = fn.arg_names[c] if isinstance(c, int) and c < len(fn.arg_names) else c
+                    if c in SHOWN:
+                        shown[c] = v
+                print(f"  {name:<22} regs {k.n_regs:3d} spills {k.n_spills:4d} shared {k.metadata.shared:6d} "
+                      f"warps {warps:2d} per SM: {by_regs} by registers, {64 // warps} by warps  {shown}")
 
 
 if __name__ == "__main__":

@@ -309,7 +309,7 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"qkv": {"PRE": 1}, "down": {"PRE": 1}, "attn": {"PRELOAD_KV": True, "FUSE_ROPE": True},
             "pdl": {"EARLY_TRIGGER": True}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": False, "EARLY_INPUTS": True},
-            "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1, "BLOCK_K": 32},
+            "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1, "BLOCK_K": 32, "maxnreg": 128},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
             "combine": {"EARLY_TRIGGER": True},
             "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 8, "BY": "qkv"}},
@@ -342,7 +342,7 @@ for fn, grid, args, kw in launches:
     if key in seen:
         continue
     seen.add(key)
-    opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl") if o in kw}
+    opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if o in kw}
     c = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = c.asm["ptx"]
     assert c.asm.get("cubin"), "no sm_90 machine code"
@@ -350,6 +350,7 @@ for fn, grid, args, kw in launches:
                     trigger="griddepcontrol.launch_dependents" in ptx, prefetch="prefetch.global.L2" in ptx,
                     prefetch_wanted=bool(consts.get("PF_STEPS") or consts.get("PF_CHUNK")),
                     bulk="cp.async.bulk.prefetch.L2.global" in ptx, l2_at=consts.get("L2_AT", 0),
+                    maxnreg=".maxnreg 128" in ptx, maxnreg_wanted=kw.get("maxnreg") == 128,
                     bulk_before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
                     preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
@@ -383,6 +384,7 @@ def test_pdl_kernels_compile_for_sm90():
         if r["preload"] or (r["kernel"] == "_add_norm_kernel" and r["norm"]):  # the norm weight: always before
             assert r["load_before_wait"], r
         assert r["atomic"] == r["atomic_wanted"], r  # o and down add into the residual (FOLD), and only they
+        assert r["maxnreg"] == r["maxnreg_wanted"], r  # a group's register cap, where it asks for one
         assert r["bulk"] == (r["l2_at"] > 0), r  # KNOBS["l2"]["GATE_UP_STEPS"]: before or after the wait
         if r["bulk"]:
             assert r["bulk_before_wait"] == (r["l2_at"] == 1), r
@@ -401,6 +403,7 @@ def test_pdl_kernels_compile_for_sm90():
     # norm in (qkv's split summing its row's squares apart), o and down add atomically
     assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) == 3
     assert sum(r["atomic"] for r in res) == 2
+    assert any(r["maxnreg"] for r in res)
     bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}
     assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2)}, bulk
 

@@ -143,6 +143,8 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
+    # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
+    # that more of its programs fit on a multiprocessor
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
             "PIPE": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -998,7 +1000,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
-                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]), num_warps=kn["num_warps"], num_stages=kn["num_stages"], **_launch(pdl))
+                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]), num_warps=kn["num_warps"], num_stages=kn["num_stages"],
+                       **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
 
 
