@@ -123,6 +123,14 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   Slower on top of it: the attention splits merged inside o_proj (one program per row block
   and head, no combine kernel; o's MERGE at c1dab03, since removed): 1,296-1,310 against
   1,332-1,337 tok/s (h200_variants_fold_merge_o.json).
+- Whole tiles of gate_up's first programs pulled into L2 by bulk prefetches while the attention
+  chain runs (the first 1,024-4,096 rows of each half, from the first attention kernel, qkv or
+  o_proj; GATE_UP_ROWS before KNOBS["l2"]["GATE_UP_STEPS"] replaced it): 1,250-1,321 against
+  1,338 tok/s, slower the more rows (h200_variants_l2_tiles.json): those programs finish early
+  but gate_up lasts as long as the other programs' chains of K steps (0.2 us a layer saved),
+  while the prefetch traffic stretches qkv by 2 us. GATE_UP_STEPS (the next K steps of every
+  row, one instruction a row) and a GEMV group's maxnreg (with PIPE, two programs a
+  multiprocessor): not measured yet.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
