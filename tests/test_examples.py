@@ -436,7 +436,11 @@ def test_early_trigger_per_gemv_group_and_attention():
 
 L2_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''
 apply_knobs(mod.KNOBS, json.loads(sys.argv[2]))
-mod.forward(state, decode_batch(torch.tensor([7]), torch.tensor([5]), torch.tensor([0])))
+try:
+    mod.forward(state, decode_batch(torch.tensor([7]), torch.tensor([5]), torch.tensor([0])))
+except ValueError as e:
+    print("RESULTS " + json.dumps({"error": str(e)}))
+    sys.exit(0)
 gu = [state.tables[f"model.layers.{i}.mlp.gate_up_proj.weight"].data_ptr() for i in range(cfg.num_layers)]
 names = {(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim: "qkv", cfg.hidden_size: "o"}
 out = []
@@ -469,6 +473,10 @@ def test_gate_up_l2_prefetch_goes_to_the_layer_gate_up_weight(by, at, steps, pre
     assert all(r["ch"] == 32 * r["warps"] for r in res["out"])
     knobs["pdl"] = {"enabled": False}
     assert run_script(L2_LAUNCHES_SCRIPT, [ex, json.dumps(knobs)], interpret=False)["out"] == []
+    if by == "o":  # a kernel name it does not know: a clear error, not a silent no-op
+        knobs["pdl"], knobs["l2"]["BY"] = {"enabled": True}, "gate_up"
+        err = run_script(L2_LAUNCHES_SCRIPT, [ex, json.dumps(knobs)], interpret=False)["error"]
+        assert "BY 'gate_up'" in err
 
 
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''

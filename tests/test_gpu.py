@@ -168,6 +168,36 @@ def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
     assert tol[1].candidate_error == tol[0].candidate_error
 
 
+@pytest.mark.gpu
+def test_gate_up_l2_prefetch_and_register_cap_change_timing_not_results(cuda_engine):
+    """The H200 winner with KNOBS["l2"]["GATE_UP_STEPS"] (bulk L2 prefetches from o_proj) and
+    gate_up's maxnreg: the same logits, bitwise, as without them, eager and from the graph."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    # the shrunk preset's rows are 128 wide: gate_up on 32-column K steps, so that some follow PRE
+    gu = '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256,'
+    old = '"GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait"'
+    assert base.count(gu) == 1 and old in base
+    base = base.replace(gu, '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32,', 1)
+    knobs = base.replace(old, '"GATE_UP_STEPS": 2, "BY": "o", "AT": "entry"', 1)
+    knobs = knobs.replace('"REDUCE_EACH": True, "PIPE": False}', '"REDUCE_EACH": True, "PIPE": False, "maxnreg": 128}', 1)
+    assert knobs.count("maxnreg\": 128") == 1
+    ids = []
+    for s, name in ((base, "l2-off"), (knobs, "l2-on")):
+        r = cuda_engine.submit_forward_pass(s, name=name)
+        assert r.ok and r.graphs, (r.error, r.notes)
+        ids.append(r.candidate_id)
+    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
+                     torch.tensor([0], device="cuda"))
+    outs = []
+    for cid in ids:
+        c = cuda_engine.candidates[cid]
+        st = cuda_engine.candidate_state(c)
+        outs.append((c.forward(st, b).clone(), c.graphs.run(st, b).clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     """The one-kernel-per-layer example (grid barriers between phases) on the shrunk preset:
     logits close to the reference's on the same inputs, K/V written only where the step

@@ -975,8 +975,11 @@ def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
     follow gate_up's PRE; else none (L2_AT 0, `other`, any tensor, as the unused pointer)."""
     l2, kn = KNOBS["l2"], KNOBS["gate_up"]
     steps = int(l2.get("GATE_UP_STEPS", 0))
+    by, at = l2.get("BY", "attn"), l2.get("AT", "wait")
+    if steps > 0 and (by not in ("qkv", "attn", "o") or at not in ("entry", "wait")):
+        raise ValueError(f'KNOBS["l2"]: BY {by!r} is not "qkv", "attn" or "o", or AT {at!r} not "entry" or "wait"')
     none = dict(l2_ptr=other, l2_rows=0, l2_stride=0, l2_bytes=0, L2_AT=0, L2_CH=1)
-    if not pdl or w_gu is None or steps <= 0 or l2.get("BY", "attn") != kernel:
+    if not pdl or w_gu is None or steps <= 0 or by != kernel:
         return none
     K, es, bk = w_gu.shape[1], w_gu.element_size(), int(kn["BLOCK_K"])
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), triton.cdiv(K, bk))) * bk
@@ -984,7 +987,7 @@ def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
     if nbytes <= 0 or nbytes % 16 or (pre * es) % 16 or w_gu.stride(0) * es % 16 or w_gu.data_ptr() % 16:
         return none
     return dict(l2_ptr=w_gu[:, pre:], l2_rows=w_gu.shape[0], l2_stride=w_gu.stride(0) * es, l2_bytes=nbytes,
-                L2_AT={"entry": 1, "wait": 2}[l2.get("AT", "wait")], L2_CH=32 * int(num_warps))
+                L2_AT={"entry": 1, "wait": 2}[at], L2_CH=32 * int(num_warps))
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
@@ -1027,7 +1030,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
-                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]), num_warps=kn["num_warps"], num_stages=kn["num_stages"],
+                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]),
+                       num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
 
