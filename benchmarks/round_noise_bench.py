@@ -64,8 +64,14 @@ def round_logs(rounds: list[dict], weights: dict, k: int, layers: int) -> tuple[
     return [math.log(total(r["ref"]) / total(r["cand"])) for r in rounds], total
 
 
+def pair_logs(per_round: list[float]) -> list[float]:
+    """Each pair of rounds' mean log speedup (rounds 2j and 2j + 1, which time the two sides in
+    opposite orders): what goes first or second in a round cancels within the pair."""
+    return [(per_round[j] + per_round[j + 1]) / 2 for j in range(0, len(per_round) - 1, 2)]
+
+
 def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
-    """The four estimates of one call's log speedup from its rounds ({side: {timing: s}})."""
+    """The five estimates of one call's log speedup from its rounds ({side: {timing: s}})."""
     per_round, total = round_logs(rounds, weights, k, layers)
     keys = list(rounds[0]["ref"])
     ref = {t: statistics.median(r["ref"][t] for r in rounds) for t in keys}
@@ -73,23 +79,27 @@ def estimates(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[st
     walsh = [(a + b) / 2 for i, a in enumerate(per_round) for b in per_round[i:]]
     return {"median_of_rounds": statistics.median(per_round), "per_timing_medians": math.log(total(ref) / total(cand)),
             "hodges_lehmann": statistics.median(walsh),
-            "trimmed_mean_of_rounds": trimmed(torch.tensor(per_round, dtype=torch.float64)).item()}
+            "trimmed_mean_of_rounds": trimmed(torch.tensor(per_round, dtype=torch.float64)).item(),
+            "median_of_pairs": statistics.median(pair_logs(per_round))}
 
 
 def intervals(rounds: list[dict], weights: dict, k: int, layers: int) -> dict[str, float]:
-    """Half-widths (relative) of the bootstrap 95% intervals of the median and the trimmed mean."""
+    """Half-widths (relative) of the bootstrap 95% intervals of the median, the trimmed mean and
+    the median of pairs."""
     logs, _ = round_logs(rounds, weights, k, layers)
     ratios = [math.exp(x) for x in logs]
+    pairs = [math.exp(x) for x in pair_logs(logs)]
     centre = math.exp(trimmed(torch.tensor(logs, dtype=torch.float64)).item())
     return {"median_of_rounds": measure.half_width(measure.bootstrap_median(ratios), statistics.median(ratios)),
-            "trimmed_mean_of_rounds": measure.half_width(trimmed_interval(logs), centre)}
+            "trimmed_mean_of_rounds": measure.half_width(trimmed_interval(logs), centre),
+            "median_of_pairs": measure.half_width(measure.bootstrap_median(pairs), statistics.median(pairs))}
 
 
 def main() -> int:
     p = engine_args(argparse.ArgumentParser())
     p.add_argument("--n", type=int, default=40, help="reference copies measured")
     p.add_argument("--rounds", type=int, default=21, help="timed rounds per call, all kept")
-    p.add_argument("--at", default="4,6,9,14,20", help="round counts the estimates are compared at")
+    p.add_argument("--at", default="4,6,8,10,12,14,20", help="round counts the estimates are compared at")
     p.add_argument("--set", default="{}", help="JSON: EngineConfig overrides")
     a = p.parse_args()
     at = [int(x) for x in a.at.split(",") if int(x) <= a.rounds]
