@@ -312,7 +312,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
             "qkv": {"PIPE": True}, "o": {"PIPE": True, "PRE": 1}, "gate_up": {"PIPE": True, "PRE": 1, "BLOCK_K": 32, "maxnreg": 128},
             "down": {"PIPE": True}, "lm_head": {"PIPE": True}, "norm": {"EARLY_TRIGGER": True},
             "combine": {"EARLY_TRIGGER": True},
-            "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 8, "BY": "qkv"}},
+            "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 8, "BY": "qkv",
+                   "END_DOWN": True, "END_QKV": True}},
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
             "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}}]
@@ -387,7 +388,7 @@ def test_pdl_kernels_compile_for_sm90():
         assert r["maxnreg"] == r["maxnreg_wanted"], r  # a group's register cap, where it asks for one
         assert r["bulk"] == (r["l2_at"] > 0), r  # KNOBS["l2"]["GATE_UP_STEPS"]: before or after the wait
         if r["bulk"]:
-            assert r["bulk_before_wait"] == (r["l2_at"] == 1), r
+            assert r["bulk_before_wait"] == (r["l2_at"] == 1), r  # 3: at the end
     assert {r["pdl"] for r in res} == {1, 2}
     for kernel in ("_add_norm_kernel", "_attn_combine_kernel"):  # their own EARLY_TRIGGER
         assert {r["pdl"] for r in res if r["kernel"] == kernel} == {1, 2}, kernel
@@ -405,7 +406,7 @@ def test_pdl_kernels_compile_for_sm90():
     assert sum(r["atomic"] for r in res) == 2
     assert any(r["maxnreg"] for r in res)
     bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}
-    assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2)}, bulk
+    assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2), ("_gemv_kernel", 3)}, bulk
 
 
 LAUNCH_PDL_SCRIPT = LAUNCHES_SETUP + r'''
@@ -442,14 +443,20 @@ except ValueError as e:
     print("RESULTS " + json.dumps({"error": str(e)}))
     sys.exit(0)
 gu = [state.tables[f"model.layers.{i}.mlp.gate_up_proj.weight"].data_ptr() for i in range(cfg.num_layers)]
-names = {(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim: "qkv", cfg.hidden_size: "o"}
+D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+names = {((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D): "qkv", (D, cfg.num_heads * hd): "o", (2 * I, D): "gate_up",
+         (D, I): "down"}
 out = []
 for fn, grid, args, kw in launches:
     if kw.get("L2_AT"):
-        what = names.get(args[1].shape[0], "gemv") if fn.__name__ == "_gemv_kernel" else fn.__name__
+        what = names.get(tuple(args[1].shape), "lm_head") if fn.__name__ == "_gemv_kernel" else fn.__name__
         out.append({"what": what, "at": kw["L2_AT"], "ptr": kw["l2_ptr"].data_ptr(), "rows": kw["l2_rows"],
                     "stride": kw["l2_stride"], "bytes": kw["l2_bytes"], "ch": kw["L2_CH"], "warps": kw["num_warps"]})
-print("RESULTS " + json.dumps({"out": out, "gate_up": gu, "I": cfg.intermediate_size, "D": cfg.hidden_size}))
+tab = lambda name: [{**state.weights, **state.tables}[f"model.layers.{i}.{name}"].data_ptr()  # noqa: E731
+                    for i in range(cfg.num_layers)]
+print("RESULTS " + json.dumps({"out": out, "gate_up": gu, "I": cfg.intermediate_size, "D": cfg.hidden_size,
+                               "down": tab("mlp.down_proj.weight"), "qkv": tab("self_attn.qkv_proj.weight"),
+                               "qkv_rows": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim}))
 '''
 
 
@@ -477,6 +484,24 @@ def test_gate_up_l2_prefetch_goes_to_the_layer_gate_up_weight(by, at, steps, pre
         knobs["pdl"], knobs["l2"]["BY"] = {"enabled": True}, "gate_up"
         err = run_script(L2_LAUNCHES_SCRIPT, [ex, json.dumps(knobs)], interpret=False)["error"]
         assert "BY 'gate_up'" in err
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_weights_pulled_into_l2_as_the_gemv_before_them_ends():
+    """KNOBS["l2"]["END_DOWN"] and ["END_QKV"] with PDL: each layer's gate_up launch asks, at its
+    programs' end (L2_AT 3), for all of that layer's down weight, row by row, and each down
+    launch but the last layer's for the next layer's qkv weight; nothing else asks."""
+    knobs = {"l2": {"END_DOWN": True, "END_QKV": True}, "norm": {"FOLD": True}}
+    res = run_script(L2_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"), json.dumps(knobs)],
+                     interpret=False)
+    D, I = res["D"], res["I"]
+    got = [(r["what"], r["at"], r["ptr"], r["rows"], r["stride"], r["bytes"]) for r in res["out"]]
+    want = []
+    for i in range(len(res["down"])):
+        want.append(("gate_up", 3, res["down"][i], D, 2 * I, 2 * I))  # the layer's down [D, I]
+        if i + 1 < len(res["down"]):  # the next layer's qkv [(H + 2KV) hd, D]
+            want.append(("down", 3, res["qkv"][i + 1], res["qkv_rows"], 2 * D, 2 * D))
+    assert got == want
 
 
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''

@@ -169,9 +169,10 @@ def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
 
 
 @pytest.mark.gpu
-def test_gate_up_l2_prefetch_and_register_cap_change_timing_not_results(cuda_engine):
-    """The H200 winner with KNOBS["l2"]["GATE_UP_STEPS"] (bulk L2 prefetches from o_proj) and
-    gate_up's maxnreg: the same logits, bitwise, as without them, eager and from the graph."""
+def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
+    """The H200 winner with KNOBS["l2"]["GATE_UP_STEPS"] (bulk L2 prefetches from o_proj),
+    END_DOWN and END_QKV (from gate_up's and down's programs as they finish) and gate_up's
+    maxnreg: the same logits, bitwise, as without them, eager and from the graph."""
     from conftest import ROOT
     from engine_server.state import decode_batch
     base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
@@ -181,6 +182,8 @@ def test_gate_up_l2_prefetch_and_register_cap_change_timing_not_results(cuda_eng
     assert base.count(gu) == 1 and old in base
     base = base.replace(gu, '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32,', 1)
     knobs = base.replace(old, '"GATE_UP_STEPS": 2, "BY": "o", "AT": "entry"', 1)
+    knobs = knobs.replace('"END_DOWN": False, "END_QKV": False', '"END_DOWN": True, "END_QKV": True', 1)
+    assert '"END_DOWN": True, "END_QKV": True' in knobs
     knobs = knobs.replace('"REDUCE_EACH": True, "PIPE": False}', '"REDUCE_EACH": True, "PIPE": False, "maxnreg": 128}', 1)
     assert knobs.count("maxnreg\": 128") == 1
     ids = []

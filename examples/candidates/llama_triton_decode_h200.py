@@ -140,9 +140,12 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   o_proj; GATE_UP_ROWS before KNOBS["l2"]["GATE_UP_STEPS"] replaced it): 1,250-1,321 against
   1,338 tok/s, slower the more rows (h200_variants_l2_tiles.json): those programs finish early
   but gate_up lasts as long as the other programs' chains of K steps (0.2 us a layer saved),
-  while the prefetch traffic stretches qkv by 2 us. GATE_UP_STEPS (the next K steps of every
-  row, one instruction a row) and a GEMV group's maxnreg (with PIPE, two programs a
-  multiprocessor): not measured yet.
+  while the prefetch traffic stretches qkv by 2 us. Not measured yet: GATE_UP_STEPS (the next
+  K steps of every row, one instruction a row, from qkv or o_proj), END_DOWN and END_QKV (the
+  next GEMV's weight pulled into L2 as the programs of the one before finish: down's and the
+  next qkv's programs mostly cannot be resident beside gate_up's and down's, which hold
+  nearly all of the registers) and a GEMV group's maxnreg (with PIPE, two gate_up programs a
+  multiprocessor).
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
@@ -224,8 +227,13 @@ KNOBS = {
     # K steps after gate_up's PRE pulled into L2 by bulk prefetches (cp.async.bulk.prefetch,
     # one instruction per row) from the kernel BY ("qkv", "attn": the first attention kernel,
     # or "o"), AT its "entry" or right after its "wait": each gate_up program's chain of loads
-    # is shorter, and that part of the weight streams while the attention chain runs
-    "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait"},
+    # is shorter, and that part of the weight streams while the attention chain runs.
+    # END_DOWN / END_QKV (with PDL): as each gate_up program finishes it pulls its share of the
+    # layer's down weight into L2 (bulk prefetches, whole rows), and each down program its
+    # share of the next layer's qkv weight: the next GEMV's programs, which mostly cannot be
+    # resident beside this one's, find their weights in L2 while this one's last programs run
+    "l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True, "GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait",
+           "END_DOWN": False, "END_QKV": False},
     "stages": {"attention": True, "norm": True, "gemv": True},
 }
 
@@ -455,8 +463,9 @@ if HAVE_TRITON:
         split of K): the squares are summed over the whole row, loaded at once after the wait.
         ATOMIC (B == 1): the program adds its partial into out[b, n] (float32: the residual
         stream) instead of storing partials for the next kernel to sum.
-        L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
-        l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's weight rows).
+        L2_AT 1 (at entry), 2 (after the wait) or 3 (at the end): the programs share out a bulk
+        L2 prefetch of l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's
+        weight rows).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -597,6 +606,8 @@ if HAVE_TRITON:
         else:
             out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
             tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
+        if L2_AT == 3:
+            _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
@@ -990,8 +1001,18 @@ def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
                 L2_AT={"entry": 1, "wait": 2}[at], L2_CH=32 * int(num_warps))
 
 
+def _l2_at_end(pdl: int, nxt, num_warps: int) -> dict:
+    """The bulk L2 prefetch arguments of a GEMV that pulls all of `nxt` (a later GEMV's weight,
+    whole rows) into L2 at its programs' end (L2_AT 3); none without PDL or nxt."""
+    es = nxt.element_size() if nxt is not None else 0
+    if not pdl or nxt is None or not nxt.is_contiguous() or nxt.stride(0) * es % 16 or nxt.data_ptr() % 16:
+        return {}
+    return dict(l2_ptr=nxt, l2_rows=nxt.shape[0], l2_stride=nxt.stride(0) * es,
+                l2_bytes=nxt.shape[1] * es, L2_AT=3, L2_CH=32 * int(num_warps))
+
+
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None):
+          w_gu=None, l2_next=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -999,7 +1020,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     Batch 1 only: norm = (g, eps) makes it the GEMV of rms_norm(x) * g (x: the float32
     residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
     (atomically, every split) and is returned. w_gu: the layer's gate_up weight, for
-    _l2_prefetch.
+    _l2_prefetch; l2_next: a later GEMV's weight that the programs pull into L2 as they finish
+    (_l2_at_end; in place of _l2_prefetch's).
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -1030,16 +1052,16 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
-                       **_l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"]),
+                       **(_l2_at_end(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
 
 
-def _linear(x, w, knob, silu=False, pdl=False, w_gu=None):
+def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -1156,7 +1178,7 @@ def _decode(state, batch):
     branch = None  # partials of the last projection, added to x by the next norm
     first = True
 
-    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None):
+    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
         rms_norm(x) itself (the first after the embedding row's own kernel)."""
         nonlocal first
@@ -1165,17 +1187,19 @@ def _decode(state, batch):
                       norm=not fold)
         first = False
         if fold:
-            return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu)
-        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu)
+            return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu,
+                         l2_next=l2_next)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
-    def project(a, weight, knob, w_gu=None):
+    def project(a, weight, knob, w_gu=None, l2_next=None):
         """The branch for the next norm to add (FOLD: added into x now, none left)."""
         if fold:
-            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu)
+            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu, l2_next=l2_next)
             return None
-        return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu)
+        return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
-    for layer in state.layers:
+    layers, l2 = list(state.layers), KNOBS["l2"]
+    for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu)
@@ -1183,6 +1207,10 @@ def _decode(state, batch):
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
                        w_gu=w_gu if _stage("gemv") else None)
         branch = project(o, wo, "o", w_gu=w_gu)
-        act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True)[0]
-        branch = project(act, w[p + "mlp.down_proj.weight"], "down")
+        w_down = w[p + "mlp.down_proj.weight"]
+        act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True,
+                          l2_next=w_down if l2.get("END_DOWN") else None)[0]
+        nxt = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
+               if l2.get("END_QKV") and i + 1 < len(layers) else None)
+        branch = project(act, w_down, "down", l2_next=nxt)
     return normed_gemv(lm_head_weight(state), w["model.norm.weight"], "lm_head")[0]
