@@ -540,8 +540,8 @@ def test_cheater_trace_logs_what_the_cheater_sees(tmp_path):
 
 
 def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
-    """benchmarks/round_noise_bench.py: every round kept, a spread per timing, four estimates'
-    spreads and two intervals at each round count asked for."""
+    """benchmarks/round_noise_bench.py: every round kept, a spread per timing, five estimates'
+    spreads and three intervals at each round count asked for."""
     import subprocess
     import sys
     from pathlib import Path
@@ -555,14 +555,43 @@ def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
     assert sorted(res["timings_log_ratio"]) == sorted(f"{d}|{n}" for n in names for d in "k0")
     assert list(res["estimate_log_spread"]) == ["2", "4"]
     for row in res["estimate_log_spread"].values():
-        assert set(row) == {"median_of_rounds", "per_timing_medians", "hodges_lehmann", "trimmed_mean_of_rounds"}
+        assert set(row) == {"median_of_rounds", "per_timing_medians", "hodges_lehmann", "trimmed_mean_of_rounds",
+                            "median_of_pairs"}
         assert min(row.values()) >= 0
-    for row in res["interval"].values():
-        assert set(row) == {"median_of_rounds", "trimmed_mean_of_rounds"}
-        assert all(v["half_width_mean"] > 0 and 0 <= v["would_stop"] <= 3 for v in row.values()), row
+    for n, row in res["interval"].items():
+        assert set(row) == {"median_of_rounds", "trimmed_mean_of_rounds", "median_of_pairs"}
+        assert all(0 <= v["would_stop"] <= 3 for v in row.values()), row
+        # at 2 rounds there is one pair: an interval of no width
+        assert all(v["half_width_mean"] > 0 for k, v in row.items() if k != "median_of_pairs" or n == "4"), row
     assert res["call_s_p50"] > 0 and isinstance(res["copies_flagged"], list)
     assert set(res["log_ratio_by_round"]) == {"round"} | set(res["timings_log_ratio"])
     assert all(len(xs) == 4 for xs in res["log_ratio_by_round"].values()), res["log_ratio_by_round"]
+
+
+def test_kernel_resources_reads_each_decode_kernel_compiled_for_sm90():
+    """benchmarks/kernel_resources.py on the H200 winner (shrunk preset): every kernel of the
+    step compiled for sm_90 with its registers and residency; a KNOBS override reaches the
+    compile (gate_up on 4 warps instead of 8)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    res = []
+    for over in ("{}", '{"gate_up": {"num_warps": 4}}'):
+        out = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--shrink", "--set", over,
+                              "examples/candidates/llama_triton_decode_h200.py"], cwd=root, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        res.append({r["kernel"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["kernels"]})
+    base, four = res
+    assert set(base) == {"_add_norm_kernel", "qkv", "_attn_kernel", "_attn_combine_kernel", "o", "gate_up", "down",
+                         "lm_head"}, set(base)
+    for r in base.values():
+        assert 0 < r["regs"] <= 255 and r["per_sm"] >= 1 and r["register_file_share"] > 0, r
+        assert r["per_sm"] == min(r["per_sm_by_registers"], r["per_sm_by_warps"], 32), r
+    assert base["gate_up"]["warps"] == 8 and four["gate_up"]["warps"] == 4
+    assert four["qkv"] == base["qkv"]
 
 
 def test_vllm_cycle_bench_waits_for_what_an_experiment_left_running():
