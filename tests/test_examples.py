@@ -490,7 +490,8 @@ def test_gate_up_l2_prefetch_goes_to_the_layer_gate_up_weight(by, at, steps, pre
 def test_weights_pulled_into_l2_as_the_gemv_before_them_ends():
     """KNOBS["l2"]["END_DOWN"] and ["END_QKV"] with PDL: each layer's gate_up launch asks, at its
     programs' end (L2_AT 3), for all of that layer's down weight, row by row, and each down
-    launch but the last layer's for the next layer's qkv weight; nothing else asks."""
+    launch but the last layer's for the next layer's qkv weight; nothing else asks, and nothing
+    without PDL."""
     knobs = {"l2": {"END_DOWN": True, "END_QKV": True}, "norm": {"FOLD": True}}
     res = run_script(L2_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"), json.dumps(knobs)],
                      interpret=False)
@@ -502,6 +503,9 @@ def test_weights_pulled_into_l2_as_the_gemv_before_them_ends():
         if i + 1 < len(res["down"]):  # the next layer's qkv [(H + 2KV) hd, D]
             want.append(("down", 3, res["qkv"][i + 1], res["qkv_rows"], 2 * D, 2 * D))
     assert got == want
+    knobs["pdl"] = {"enabled": False}
+    assert run_script(L2_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"), json.dumps(knobs)],
+                      interpret=False)["out"] == []
 
 
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''
