@@ -140,29 +140,36 @@ def test_triton_decode_with_folded_norms_passes_the_tolerance_gate(cuda_engine):
     assert fm.valid and fm.outputs_match == "close", (fm.violations, fm.config.get("stopped"))
 
 
-@pytest.mark.gpu
-def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
-    """KNOBS["pdl"] on launches the same kernels with programmatic dependent launch and L2
-    prefetches: the logits are bitwise those of plain launches, eager and from the captured
-    graph, and the tolerance gate measures the same error for both."""
-    from conftest import ROOT
+def _same_logits(engine, sources: dict[str, str]) -> list[str]:
+    """Submit each named source (each must capture graphs), run one batch-1 decode step of each
+    eagerly and from its graph, assert all the logits are bitwise equal; the candidates' ids."""
     from engine_server.state import decode_batch
-    on = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    off = on.replace('"pdl": {"enabled": True', '"pdl": {"enabled": False', 1)
-    assert on != off
     ids = []
-    for s, name in ((off, "pdl-off"), (on, "pdl-on")):
-        r = cuda_engine.submit_forward_pass(s, name=name)
+    for name, src in sources.items():
+        r = engine.submit_forward_pass(src, name=name)
         assert r.ok and r.graphs, (r.error, r.notes)
         ids.append(r.candidate_id)
     b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
                      torch.tensor([0], device="cuda"))
     outs = []
     for cid in ids:
-        c = cuda_engine.candidates[cid]
-        st = cuda_engine.candidate_state(c)
+        c = engine.candidates[cid]
+        st = engine.candidate_state(c)
         outs.append((c.forward(st, b).clone(), c.graphs.run(st, b).clone()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(outs[0][0], o[0]) and torch.equal(outs[0][1], o[1]) for o in outs[1:])
+    return ids
+
+
+@pytest.mark.gpu
+def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
+    """KNOBS["pdl"] on launches the same kernels with programmatic dependent launch and L2
+    prefetches: the logits are bitwise those of plain launches, eager and from the captured
+    graph, and the tolerance gate measures the same error for both."""
+    from conftest import ROOT
+    on = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    off = on.replace('"pdl": {"enabled": True', '"pdl": {"enabled": False', 1)
+    assert on != off
+    ids = _same_logits(cuda_engine, {"pdl-off": off, "pdl-on": on})
     tol = [cuda_engine.check_bit_exact(cid, mode="tolerance") for cid in ids]
     assert tol[1].close and tol[1].tokens_equal, tol[1]
     assert tol[1].candidate_error == tol[0].candidate_error
@@ -174,7 +181,6 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     END_DOWN and END_QKV (from gate_up's and down's programs as they finish) and gate_up's
     maxnreg: the same logits, bitwise, as without them, eager and from the graph."""
     from conftest import ROOT
-    from engine_server.state import decode_batch
     base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
     # the shrunk preset's rows are 128 wide: gate_up on 32-column K steps, so that some follow PRE
     gu = '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256,'
@@ -186,19 +192,7 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     assert '"END_DOWN": True, "END_QKV": True' in knobs
     knobs = knobs.replace('"REDUCE_EACH": True, "PIPE": False}', '"REDUCE_EACH": True, "PIPE": False, "maxnreg": 128}', 1)
     assert knobs.count("maxnreg\": 128") == 1
-    ids = []
-    for s, name in ((base, "l2-off"), (knobs, "l2-on")):
-        r = cuda_engine.submit_forward_pass(s, name=name)
-        assert r.ok and r.graphs, (r.error, r.notes)
-        ids.append(r.candidate_id)
-    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
-                     torch.tensor([0], device="cuda"))
-    outs = []
-    for cid in ids:
-        c = cuda_engine.candidates[cid]
-        st = cuda_engine.candidate_state(c)
-        outs.append((c.forward(st, b).clone(), c.graphs.run(st, b).clone()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _same_logits(cuda_engine, {"l2-off": base, "l2-on": knobs})
 
 
 def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
