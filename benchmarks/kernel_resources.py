@@ -61,10 +61,17 @@ def record(module, cfg) -> list[tuple]:
     return launches
 
 
-def compile_sm90(fn, args, kw):
-    """Compile one launch for sm_90 as the JIT would specialise it; returns the compiled kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def residency(regs: int, warps: int) -> tuple[int, int, int]:
+    """Programs of a kernel (`regs` registers a thread, `warps` warps) one multiprocessor holds:
+    (by registers, by warps, and what both and the 32-block limit allow)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs, by_warps = REGS_PER_SM // (per_warp * warps), WARPS_PER_SM // warps
+    return by_regs, by_warps, min(by_regs, by_warps, BLOCKS_PER_SM)
+
+
+def specialise(fn, args, kw) -> tuple[dict, dict, dict]:
+    """One launch's (signature, constexprs, attributes) as the JIT would specialise it: pointers
+    and integers divisible by 16 marked so."""
     sig, consts, attrs = {}, {}, {}
     values = list(args) + [kw.get(p.name) for p in fn.params[len(args):]]
     for i, (p, a) in enumerate(zip(fn.params, values)):
@@ -81,6 +88,14 @@ def compile_sm90(fn, args, kw):
             aligned = int(a) % 16 == 0 and int(a) != 0
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def compile_sm90(fn, args, kw):
+    """Compile one launch for sm_90 as the JIT would; returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    sig, consts, attrs = specialise(fn, args, kw)
     opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if o in kw}
     return triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=opts)
@@ -144,11 +159,10 @@ def main() -> int:
         programs = 1
         for g in grid:
             programs *= int(g)
+        by_regs, by_warps, per_sm = residency(u["regs"], warps)
         per_warp = -(-u["regs"] * 32 // 256) * 256
-        per_sm = min(REGS_PER_SM // (per_warp * warps), WARPS_PER_SM // warps, BLOCKS_PER_SM)
         rows.append({"kernel": name, "grid": list(grid), "programs": programs, "warps": warps, **u,
-                     "per_sm_by_registers": REGS_PER_SM // (per_warp * warps), "per_sm_by_warps": WARPS_PER_SM // warps,
-                     "per_sm": per_sm,
+                     "per_sm_by_registers": by_regs, "per_sm_by_warps": by_warps, "per_sm": per_sm,
                      "register_file_share": round(programs * per_warp * warps / (a.sms * REGS_PER_SM), 3)})
     import triton
     print(f"== sm_90 resources of {Path(a.candidate).name} ({a.model}{' shrunk' if a.shrink else ''}, batch-1 decode, "

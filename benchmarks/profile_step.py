@@ -106,6 +106,8 @@ SHOWN = ("SILU", "ATOMIC", "FOLD", "BLOCK_N", "BLOCK_K", "PRE_K", "PHASE", "BLOC
 def resources(module) -> None:
     """Print each compiled variant of the module's Triton kernels (see the module docstring)."""
     from triton.runtime.jit import JITFunction
+
+    from benchmarks.kernel_resources import residency
     for name, fn in sorted(vars(module).items()):
         if not isinstance(fn, JITFunction):
             continue
@@ -113,8 +115,7 @@ def resources(module) -> None:
             for k in cache[0].values():
                 k._init_handles()
                 warps = k.metadata.num_warps
-                per_warp = -(-k.n_regs * 32 // 256) * 256
-                by_regs = 65536 // (per_warp * warps)
+                by_regs, by_warps, _ = residency(k.n_regs, warps)
                 shown = {}
                 for c, v in (getattr(getattr(k, "src", None), "constants", None) or {}).items():
                     c = c[0] if isinstance(c, tuple) and c else c  # (index,) keys in some Triton versions
@@ -122,7 +123,7 @@ def resources(module) -> None:
                     if c in SHOWN:
                         shown[c] = v
                 print(f"  {name:<22} regs {k.n_regs:3d} spills {k.n_spills:4d} shared {k.metadata.shared:6d} "
-                      f"warps {warps:2d} per SM: {by_regs} by registers, {64 // warps} by warps  {shown}")
+                      f"warps {warps:2d} per SM: {by_regs} by registers, {by_warps} by warps  {shown}")
 
 
 if __name__ == "__main__":

@@ -301,8 +301,8 @@ state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
 '''
 
 AOT_SCRIPT = LAUNCHES_SETUP + r'''
-import triton
-from triton.backends.compiler import GPUTarget
+import re
+from benchmarks.kernel_resources import compile_sm90, specialise
 CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"FUSE_ROPE": True},
                 "l2": {"GATE_UP_STEPS": 1, "BY": "o", "AT": "entry"}},
            {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}},
@@ -326,25 +326,14 @@ for conf in CONFIGS:
     for rows in (1, 2):  # the FMA GEMV and the tl.dot one
         mod.forward(state, decode_batch(torch.tensor([7, 11][:rows]), torch.tensor([5, 9][:rows]),
                                         torch.tensor([0, 1][:rows])))
-TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
 seen, out = set(), []
 for fn, grid, args, kw in launches:
-    sig, consts = {}, {}
-    for p, a in zip(fn.params, list(args) + [kw.get(p.name) for p in fn.params[len(args):]]):
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", a
-        elif isinstance(a, torch.Tensor):
-            sig[p.name] = TYPES[a.dtype]
-        elif isinstance(a, float):
-            sig[p.name] = "fp32"
-        else:
-            sig[p.name] = "i64" if abs(int(a)) >= 2 ** 31 else "i32"
-    key = (fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())))
+    sig, consts, attrs = specialise(fn, args, kw)
+    key = (fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(sorted(attrs)), kw.get("maxnreg"))
     if key in seen:
         continue
     seen.add(key)
-    opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if o in kw}
-    c = triton.compile(triton.compiler.ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
+    c = compile_sm90(fn, args, kw)
     ptx = c.asm["ptx"]
     assert c.asm.get("cubin"), "no sm_90 machine code"
     out.append(dict(kernel=fn.__name__, launch_pdl=bool(c.metadata.launch_pdl), wait="griddepcontrol.wait" in ptx,
@@ -359,7 +348,7 @@ for fn, grid, args, kw in launches:
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
-                    atomic_wanted=bool(consts.get("ATOMIC")), atomic="red.global" in ptx or "atom.global" in ptx,
+                    atomic_wanted=bool(consts.get("ATOMIC")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
@@ -442,7 +431,8 @@ try:
 except ValueError as e:
     print("RESULTS " + json.dumps({"error": str(e)}))
     sys.exit(0)
-gu = [state.tables[f"model.layers.{i}.mlp.gate_up_proj.weight"].data_ptr() for i in range(cfg.num_layers)]
+tab = lambda name: [{**state.weights, **state.tables}[f"model.layers.{i}.{name}"].data_ptr()  # noqa: E731
+                    for i in range(cfg.num_layers)]
 D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
 names = {((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D): "qkv", (D, cfg.num_heads * hd): "o", (2 * I, D): "gate_up",
          (D, I): "down"}
@@ -452,11 +442,9 @@ for fn, grid, args, kw in launches:
         what = names.get(tuple(args[1].shape), "lm_head") if fn.__name__ == "_gemv_kernel" else fn.__name__
         out.append({"what": what, "at": kw["L2_AT"], "ptr": kw["l2_ptr"].data_ptr(), "rows": kw["l2_rows"],
                     "stride": kw["l2_stride"], "bytes": kw["l2_bytes"], "ch": kw["L2_CH"], "warps": kw["num_warps"]})
-tab = lambda name: [{**state.weights, **state.tables}[f"model.layers.{i}.{name}"].data_ptr()  # noqa: E731
-                    for i in range(cfg.num_layers)]
-print("RESULTS " + json.dumps({"out": out, "gate_up": gu, "I": cfg.intermediate_size, "D": cfg.hidden_size,
+print("RESULTS " + json.dumps({"out": out, "gate_up": tab("mlp.gate_up_proj.weight"), "I": I, "D": D,
                                "down": tab("mlp.down_proj.weight"), "qkv": tab("self_attn.qkv_proj.weight"),
-                               "qkv_rows": (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim}))
+                               "qkv_rows": (cfg.num_heads + 2 * cfg.num_kv_heads) * hd}))
 '''
 
 
