@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|depth|tests
+#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|depth|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -22,9 +22,10 @@ winners=(examples/candidates/llama_triton_decode_h200.py)  # evaluated beside th
 
 case "${1:?stage}" in
 forward)  # batch-1 decode: hill-climb the example candidates, against torch.compile and HF
+    # (EXTRA: more candidate files, evaluated beside the winners, not climbed)
     python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
         --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} \
-        --winners-dir "$OUT/winners" "${ladder[@]}" "${winners[@]}" 2>&1 | tee "$OUT/forward.log"
+        --winners-dir "$OUT/winners" "${ladder[@]}" "${winners[@]}" ${EXTRA:-} 2>&1 | tee "$OUT/forward.log"
     python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
     ;;
 variants)  # KNOBS variants of a candidate (BASE, default the decode one) side by side (no climb),
@@ -39,6 +40,18 @@ variants)  # KNOBS variants of a candidate (BASE, default the decode one) side b
         python3 benchmarks/profile_step.py --exact-repeats 0 --order --resources --candidate "$f" \
             >"$OUT/profile_$(basename "$f" .py).txt" 2>&1 || true
     done
+    ;;
+next)  # one call for a GPU session: VARIANTS of BASE (the variants stage, under $OUT/v); if one
+    # beat every base measurement by MARGIN (default 0.003; benchmarks/pick_variant.py), a forward
+    # run with it beside the winner (under $OUT/f, BUDGET_S 0); then the GPU tests (under $OUT/t)
+    OUT="$OUT/v" bash "$0" variants || true
+    best=$(python3 benchmarks/pick_variant.py "$OUT/v/variants.json" --margin "${MARGIN:-0.003}" 2>"$OUT/pick.txt") || true
+    cat "$OUT/pick.txt"
+    if [[ -n "$best" ]]; then
+        cp "$best" "$OUT/"
+        EXTRA="$best" BUDGET_S=0 TOTAL_S="${TOTAL_S:-180}" OUT="$OUT/f" bash "$0" forward || true
+    fi
+    OUT="$OUT/t" bash "$0" tests
     ;;
 attn)  # the decode example's attention kernels alone against the reference attention, shrunk and full preset
     for shrink in --shrink ""; do

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import baselines, forward_bench
+from benchmarks import baselines, forward_bench, pick_variant
 from engine_server.config import resolve_model, shrink
 from engine_server.models import family
 from engine_server.state import State, decode_batch, new_cache, prefill_batch
@@ -107,6 +107,28 @@ def test_forward_bench_variants_write_merged_copies(tmp_path):
     (tmp_path / "plain.py").write_text("def forward(state, batch):\n    pass\n")
     with pytest.raises(ValueError, match="no KNOBS"):
         forward_bench.write_variants(tmp_path / "plain.py", {"x": {}}, tmp_path / "v")
+
+
+def test_pick_variant_takes_the_fastest_gated_copy_past_every_base_run(tmp_path):
+    def row(name, tok_s, gate="tolerance"):
+        return {"name": name, "file": f"/v/{name}.py", "tok_s": tok_s, "gate": gate}
+    res = {"files": ["examples/c.py"], "variants": {"base": {}, "fast": {"a": 1}, "faster": {"a": 2}, "slow": {},
+                                                     "baseline_knob": {"b": 1}, "base2": {}},
+           "winners": [row("c", 1000.0), row("c-base", 1005.0), row("c-fast", 1010.0), row("c-faster", 1030.0, "fail"),
+                       row("c-slow", 990.0), row("c-baseline_knob", 1008.0), row("c-base2", 1001.0),
+                       {"name": "c-broken", "file": "/v/c-broken.py", "tok_s": None, "error": "boom"}]}
+    best, why = pick_variant.pick(res, 0.003)
+    assert best["name"] == "c-fast" and "1005.0" in why  # the failed gate is out; the base's best is the bar
+    assert pick_variant.pick(res, 0.01)[0] is None  # +0.5% is inside a 1% margin
+    res["winners"][1]["tok_s"] = 1009.0  # a base run as fast: "baseline_knob" has overrides, so it is a variant
+    assert pick_variant.pick(res, 0.0)[0]["name"] == "c-fast"
+    res["winners"][1]["tok_s"] = 1012.0
+    assert pick_variant.pick(res, 0.0)[0] is None
+    assert pick_variant.pick({"files": ["c.py"], "variants": {}, "winners": []}, 0.0) == (None, "no variants measured")
+    (tmp_path / "v.json").write_text(json.dumps(res | {"winners": [row("c", 1000.0), row("c-fast", 1010.0)]}))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pick_variant.py"), str(tmp_path / "v.json"),
+                        "--margin", "0.001"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "/v/c-fast.py\n" and "take c-fast" in p.stderr
 
 
 def test_forward_bench_runs_on_cpu(tmp_path):
