@@ -11,9 +11,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tkcc-h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [[ -z "${TKCC_SITE:-}" ]] && compgen -G ".whl/*.whl" >/dev/null; then  # once a call (stages run stages)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} TKCC_SITE=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader >"$OUT/nvidia_smi.txt"
 ladder=(examples/candidates/llama_triton_decode.py examples/candidates/llama_triton_attn_norm.py
