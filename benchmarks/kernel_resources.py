@@ -12,9 +12,9 @@ programs one multiprocessor holds (by registers: 65,536, allocated per warp in 2
 warps: 64) and the share of the GPU's register file (--sms multiprocessors) its whole grid
 needs: above 1 the grid cannot all be resident at once, and whatever share a kernel holds is
 what the kernel launched early beside it (PDL) cannot. `--set` overrides KNOBS as the
-variants runs do (dicts merged one level down). The Triton here may allocate registers
-otherwise than the GPU image's (`profile_step.py --resources` reads them there). Prints a
-card, then one JSON line.
+variants runs do (`forward_bench.override_knobs`: nested dicts merged key by key). The
+Triton here may allocate registers otherwise than the GPU image's (`profile_step.py
+--resources` reads them there). Prints a card, then one JSON line.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import emit  # noqa: E402
+from benchmarks.forward_bench import override_knobs  # noqa: E402
 from engine_server.candidate import load_module  # noqa: E402
 from engine_server.config import resolve_model, shrink  # noqa: E402
 from engine_server.models import llama as ref  # noqa: E402
@@ -61,11 +62,15 @@ def record(module, cfg) -> list[tuple]:
     return launches
 
 
+def warp_registers(regs: int) -> int:
+    """Registers a warp holds at `regs` a thread (allocated in 256s)."""
+    return -(-regs * 32 // 256) * 256
+
+
 def residency(regs: int, warps: int) -> tuple[int, int, int]:
     """Programs of a kernel (`regs` registers a thread, `warps` warps) one multiprocessor holds:
     (by registers, by warps, and what both and the 32-block limit allow)."""
-    per_warp = -(-regs * 32 // 256) * 256
-    by_regs, by_warps = REGS_PER_SM // (per_warp * warps), WARPS_PER_SM // warps
+    by_regs, by_warps = REGS_PER_SM // (warp_registers(regs) * warps), WARPS_PER_SM // warps
     return by_regs, by_warps, min(by_regs, by_warps, BLOCKS_PER_SM)
 
 
@@ -134,16 +139,14 @@ def main() -> int:
     p.add_argument("candidate")
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--shrink", action="store_true")
-    p.add_argument("--set", default="{}", help="JSON: KNOBS overrides, dicts merged one level down")
+    p.add_argument("--set", default="{}", help="JSON: KNOBS overrides, nested dicts merged key by key")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors (an H200 has 132)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args()
-    module = load_module("resources", Path(a.candidate).read_text())
-    for key, val in json.loads(a.set).items():
-        if isinstance(val, dict):
-            module.KNOBS[key].update(val)
-        else:
-            module.KNOBS[key] = val
+    source = Path(a.candidate).read_text()
+    if json.loads(a.set):  # as a variants run writes its copies
+        source = override_knobs(source, json.loads(a.set), a.candidate)
+    module = load_module("resources", source)
     cfg = resolve_model(a.model)[0]
     cfg = dataclasses.replace(shrink(cfg) if a.shrink else cfg, num_layers=1)
     rows, seen = [], set()
@@ -160,10 +163,10 @@ def main() -> int:
         for g in grid:
             programs *= int(g)
         by_regs, by_warps, per_sm = residency(u["regs"], warps)
-        per_warp = -(-u["regs"] * 32 // 256) * 256
+        share = programs * warp_registers(u["regs"]) * warps / (a.sms * REGS_PER_SM)
         rows.append({"kernel": name, "grid": list(grid), "programs": programs, "warps": warps, **u,
                      "per_sm_by_registers": by_regs, "per_sm_by_warps": by_warps, "per_sm": per_sm,
-                     "register_file_share": round(programs * per_warp * warps / (a.sms * REGS_PER_SM), 3)})
+                     "register_file_share": round(share, 3)})
     import triton
     print(f"== sm_90 resources of {Path(a.candidate).name} ({a.model}{' shrunk' if a.shrink else ''}, batch-1 decode, "
           f"Triton {triton.__version__}, {a.sms} SMs)")
