@@ -45,28 +45,47 @@ def stale(dest: Path = SNAPSHOT_DIR) -> list[str]:
 
 
 def listing(root: Path) -> list[dict]:
+    """Every readable .py file inside the snapshot, with its line count. Entries `read` would
+    refuse (links that leave the snapshot, dangling or looping links, text that is not UTF-8)
+    are left out, so one bad entry never hides the rest."""
     out = []
     for dirpath, _, files in os.walk(root):
         for f in sorted(files):
-            p = Path(dirpath) / f
-            if p.suffix != ".py":
+            if not f.endswith(".py"):
                 continue
-            out.append({"path": str(p.relative_to(root)), "lines": len(p.read_text().splitlines())})
+            rel = str((Path(dirpath) / f).relative_to(root))
+            try:
+                out.append({"path": rel, "lines": len(_text(resolve(root, rel)).splitlines())})
+            except SnapshotError:
+                continue
     return sorted(out, key=lambda d: d["path"])
 
 
 def resolve(root: Path, path: str) -> Path:
+    """The file `path` names inside the snapshot, or SnapshotError saying why not."""
     if not path or path.startswith(("/", "\\")) or Path(path).is_absolute():
         raise SnapshotError(f"path {path!r} must be relative to the snapshot")
     if ".." in Path(path).parts:
         raise SnapshotError(f"path {path!r} may not contain '..'")
-    root = root.resolve()
-    full = (root / path).resolve()  # follows links: one pointing outside is caught below
-    if root != full and root not in full.parents:
-        raise SnapshotError(f"path {path!r} leaves the snapshot")
-    if not full.is_file():
-        raise SnapshotError(f"no file {path!r} in the snapshot; call with no path to list files")
+    try:
+        root = root.resolve()
+        full = (root / path).resolve()  # follows links: one pointing outside is caught below
+        if root != full and root not in full.parents:
+            raise SnapshotError(f"path {path!r} leaves the snapshot")
+        if not full.is_file():
+            raise SnapshotError(f"no file {path!r} in the snapshot; call with no path to list files")
+    except (OSError, ValueError, RuntimeError) as e:  # NUL bytes, names too long, link loops
+        if isinstance(e, SnapshotError):
+            raise
+        raise SnapshotError(f"path {path!r} cannot be read: {type(e).__name__}: {e}") from None
     return full
+
+
+def _text(full: Path) -> str:
+    try:
+        return full.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SnapshotError(f"{full.name} cannot be read: {type(e).__name__}: {e}") from None
 
 
 def read(root: Path, path: str | None = None, start_line: int | None = None, end_line: int | None = None,
@@ -78,12 +97,22 @@ def read(root: Path, path: str | None = None, start_line: int | None = None, end
                 "hint": "read the reference forward pass first; candidates define forward(state, batch) "
                         "and may import engine_server.models.* for the parts they leave alone"}
     try:
-        full = resolve(root, path)
+        lines = _text(resolve(root, path)).splitlines()
+        start, end = _line_range(start_line, end_line, len(lines))
     except SnapshotError as e:
         return {"ok": False, "error": str(e)}
-    lines = full.read_text().splitlines()
-    start = max(1, start_line or 1)
-    end = min(len(lines), end_line or len(lines), start + MAX_LINES - 1)
     text = "\n".join(f"{i:5d}  {lines[i - 1]}" for i in range(start, end + 1))
     return {"ok": True, "path": path, "start_line": start, "end_line": end, "total_lines": len(lines),
             "text": text, "truncated": end < len(lines)}
+
+
+def _line_range(start_line: int | None, end_line: int | None, total: int) -> tuple[int, int]:
+    """The lines to return, 1-based and inclusive: start_line (default 1) to end_line (default
+    the last), at most MAX_LINES; a range that holds no line of the file is an error."""
+    start = 1 if start_line is None else start_line
+    if start < 1 or (end_line is not None and end_line < start):
+        raise SnapshotError(f"lines {start_line}..{end_line} are not a range: start_line >= 1 and "
+                            f"end_line >= start_line (the file has {total} lines)")
+    if start > max(total, 1):
+        raise SnapshotError(f"start_line {start} is past the end: the file has {total} lines")
+    return start, min(total, end_line or total, start + MAX_LINES - 1)

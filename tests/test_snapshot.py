@@ -14,3 +14,27 @@ def test_links_leaving_the_snapshot_are_refused(tmp_path):
     assert snapshot.read(root, "ok.py")["ok"]
     assert not snapshot.read(root, "link.py")["ok"]
     assert "leaves" in snapshot.read(root, "link.py")["error"]
+
+
+def test_unreadable_entries_are_errors_and_stay_out_of_the_listing(tmp_path):
+    root = tmp_path / "snap"
+    root.mkdir()
+    (root / "ok.py").write_text("a = 1\nb = 2\nc = 3\n")
+    (tmp_path / "secret.py").write_text("token = 1\n")
+    (root / "out.py").symlink_to(tmp_path / "secret.py")
+    (root / "dangling.py").symlink_to(root / "gone.py")
+    (root / "loop.py").symlink_to(root / "loop.py")
+    (root / "latin1.py").write_bytes(b"x = '\xe9'\n")
+    listing = snapshot.read(root)
+    assert listing["ok"] and [f["path"] for f in listing["files"]] == ["ok.py"]
+    for bad in ("out.py", "dangling.py", "loop.py", "latin1.py", "ok\x00.py", "x" * 5000 + ".py",
+                "/".join(["d"] * 2000) + "/y.py"):
+        r = snapshot.read(root, bad)
+        assert not r["ok"] and r["error"], bad
+    # line ranges: a range holding no line of the file is an error, not an empty page
+    assert snapshot.read(root, "ok.py", 2, 3)["text"].split("\n")[0].strip().startswith("2")
+    assert not snapshot.read(root, "ok.py", 3, 2)["ok"]
+    assert "3 lines" in snapshot.read(root, "ok.py", 10)["error"]
+    assert not snapshot.read(root, "ok.py", 0)["ok"]
+    assert not snapshot.read(root, "ok.py", 1, 0)["ok"]
+    assert snapshot.read(root, "ok.py", 2)["end_line"] == 3
