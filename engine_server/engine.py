@@ -28,7 +28,7 @@ from engine_server import candidate as cands
 from engine_server import exact, measure, traffic
 from engine_server.config import EngineConfig, ModelConfig, parse_dtype, resolve_model, shrink
 from engine_server.graphs import StaticInputs, StepGraphs
-from engine_server.guards import ProcessGuard, WeightGuard
+from engine_server.guards import ProcessGuard, StateGuard, WeightGuard
 from engine_server.heap import keep_heap
 from engine_server.log import get_logger
 from engine_server.models import family, source_file
@@ -81,13 +81,16 @@ class Engine:
         self.fast_layers = fast_layers(mcfg.num_layers, cfg.fast_fraction)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
+        self.state_guard = StateGuard(self.state)
         self.process_guard = ProcessGuard()
+        self._checks = (self.state_guard.check, self.weight_guard.check, self.process_guard.check)
         self.traffic = traffic.TrafficData.build(cfg.traffic, model_dir, mcfg.vocab_size)
         self.cuda = self.device.type == "cuda"
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= cfg.max_batch} | {cfg.max_batch})
         self.inputs = StaticInputs(self.graph_sizes, self.device) if self.cuda else None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.candidates: dict[str, cands.Candidate] = {}
+        self.logits_dtype: torch.dtype | None = None  # the reference's, which every pass must return
         self.active = REFERENCE
         self._next = 0
         self._lock = threading.RLock()
@@ -181,9 +184,18 @@ class Engine:
     # ---- internals ---------------------------------------------------------------------
 
     def candidate_state(self, cand: cands.Candidate, layers: tuple[int, ...] | None = None) -> State:
-        """The State a candidate sees: shared tensors, its own weights dict and scratch."""
-        return dataclasses.replace(self.state, weights=dict(self.state.weights), scratch=cand.scratch,
-                                   layers=self.state.layers if layers is None else tuple(layers))
+        """The State a candidate sees: shared tensors in its own containers (weights, tables,
+        cache lists: what it does to them stays in its view), its own scratch."""
+        st = self.state
+        return dataclasses.replace(st, weights=dict(st.weights), tables=dict(st.tables), k_cache=list(st.k_cache),
+                                   v_cache=list(st.v_cache), scratch=cand.scratch,
+                                   layers=st.layers if layers is None else tuple(layers))
+
+    def _guards(self) -> list[str]:
+        """Every guard's violations since the last look (each puts back what it found changed).
+        The checks were bound at start-up: one a pass replaced on its class still runs as built,
+        and the process guard reports the replacement."""
+        return [v for check in self._checks for v in check()]
 
     def _install(self, cid: str, source: str, name: str | None, parent: str | None) -> InstallResult:
         t0 = time.perf_counter()
@@ -213,7 +225,7 @@ class Engine:
             cand.error = ErrorInfo.from_exc(_stage_after(cand.stage), cands._plain(e))
         finally:
             self.state.load_cache(*snap)
-        violations = self.weight_guard.check() + self.process_guard.check()
+        violations = self._guards()
         if violations and cand.error is None:
             cand.error = ErrorInfo(stage="install", type="Violation", message="; ".join(violations))
         if cand.ok:
@@ -238,10 +250,10 @@ class Engine:
         pad = torch.tensor([self.pad_slot], device=self.device)
         toks = torch.tensor([self.traffic.tokens(4, 0)], device=self.device)
         try:
-            out = cand.forward(st, prefill_batch(toks, pad))
-            out2 = cand.forward(st, decode_batch(toks[:, -1], torch.tensor([4], device=self.device), pad))
-            _check_logits(out, 1, self.model.vocab_size)
-            _check_logits(out2, 1, self.model.vocab_size)
+            for b in (prefill_batch(toks, pad), decode_batch(toks[:, -1], torch.tensor([4], device=self.device), pad)):
+                out = measure.check_logits(cand.forward(st, b), b, self.model.vocab_size, self.logits_dtype,
+                                           self.device)
+                self.logits_dtype = self.logits_dtype or out.dtype  # the reference's, installed first
         except cands.StageError:
             raise
         except BaseException as e:  # noqa: BLE001
@@ -300,7 +312,7 @@ class Engine:
                 if snap is not None:
                     self.state.load_cache(*snap)
             t_guards = time.perf_counter()
-            violations = self.weight_guard.check() + self.process_guard.check()
+            violations = self._guards()
             if isinstance(res, MeasureResult) and "phases_s" in res.config:
                 res.config["phases_s"]["guards"] = round(time.perf_counter() - t_guards, 4)
             if violations:
@@ -320,13 +332,6 @@ class Engine:
 def _stage_after(stage: str) -> str:
     return {"": "import", "imported": "validate", "validated": "prepare", "prepared": "warmup",
             "warmed": "capture"}.get(stage, "install")
-
-
-def _check_logits(out, batch: int, vocab: int) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"forward returned {type(out).__name__}, expected a tensor [B, vocab]")
-    if tuple(out.shape) != (batch, vocab):
-        raise ValueError(f"forward returned shape {tuple(out.shape)}, expected {(batch, vocab)}")
 
 
 @contextlib.contextmanager

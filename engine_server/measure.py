@@ -303,11 +303,37 @@ def depth_estimate(t0: float, tk: float, k: int, layers: int) -> float:
     return t0 + max(0.0, tk - t0) * layers / k
 
 
+def check_logits(out, batch: Batch, vocab: int, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """`out` if it is what the contract asks of forward: a tensor [B, vocab] (and, given them,
+    in the reference's dtype on the engine's device); else TypeError/ValueError saying what it
+    returned instead."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"forward returned {type(out).__name__}, expected a tensor [B, vocab]")
+    if tuple(out.shape) != (batch.size, vocab):
+        raise ValueError(f"forward returned shape {tuple(out.shape)} for a batch of {batch.size} rows, "
+                         f"expected {(batch.size, vocab)}")
+    if dtype is not None and out.dtype != dtype:
+        raise TypeError(f"forward returned {out.dtype} logits, expected {dtype} (the reference's)")
+    if device is not None and out.device.type != device.type:
+        raise TypeError(f"forward returned logits on {out.device}, expected them on {device}")
+    return out
+
+
+def output(eng, out, batch: Batch) -> torch.Tensor:
+    """A forward pass's output, checked (`check_logits`) before the engine reads it: one that
+    breaks the contract is the candidate's failure (CandidateFailure), not the engine's."""
+    return call(check_logits, out, batch, eng.model.vocab_size, eng.logits_dtype, eng.device)
+
+
 def run_step(eng, cand, state, batch: Batch) -> tuple[torch.Tensor, list[str]]:
-    """One forward pass through the same path timing uses (graph if captured), settled."""
+    """One forward pass through the same path timing uses (graph if captured), settled and
+    checked (`output`)."""
     if eng.cuda and cand.graphs is not None:
-        return call(settled, lambda: cand.graphs.run(state, batch))
-    return call(settled, lambda: cand.forward(state, batch))
+        out, viol = call(settled, lambda: cand.graphs.run(state, batch))
+    else:
+        out, viol = call(settled, lambda: cand.forward(state, batch))
+    return output(eng, out, batch), viol
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, rel: float = 1e-2) -> tuple[str, float]:
@@ -728,7 +754,7 @@ def _replay(eng, cand, sched: Schedule, top: int = 1) -> tuple[list[float], list
             a.record()
             out = _run_op(eng, cand, st, op)
             b.record()
-            tokens.append(out[:len(op.reqs)].topk(top, -1))
+            tokens.append(output(eng, out, op.batch)[:len(op.reqs)].topk(top, -1))
         torch.cuda.synchronize()
         return [a.elapsed_time(b) / 1e3 for a, b in evs], tokens
     secs = []
@@ -736,7 +762,7 @@ def _replay(eng, cand, sched: Schedule, top: int = 1) -> tuple[list[float], list
         t = time.perf_counter()
         out = _run_op(eng, cand, st, op)
         secs.append(time.perf_counter() - t)
-        tokens.append(out[:len(op.reqs)].topk(top, -1))
+        tokens.append(output(eng, out, op.batch)[:len(op.reqs)].topk(top, -1))
     return secs, tokens
 
 

@@ -330,12 +330,16 @@ class Scheduler:
 
     def _forward(self, batch: Batch, rows: int) -> torch.Tensor:
         """The active pass on `batch` (its CUDA graph for decode when captured). A pass that raises
-        is rolled back to the reference and the call re-run (same cells, bitwise the same K/V)."""
+        is rolled back to the reference and the call re-run (same cells, bitwise the same K/V), as
+        is one whose output breaks the contract (`measure.output`)."""
+        from engine_server.measure import output
         cand = self.eng.candidates[self.active]
         try:
             if cand.graphs is not None and batch.seq_len == 1:
-                return cand.graphs.run(self._state(cand.id), batch)[:rows]
-            return cand.forward(self._state(cand.id), batch)[:rows]
+                out = cand.graphs.run(self._state(cand.id), batch)
+            else:
+                out = cand.forward(self._state(cand.id), batch)
+            return output(self.eng, out, batch)[:rows]
         except Exception as e:  # noqa: BLE001 - the candidate's failure, not the requests'
             if self.active == REFERENCE:
                 raise

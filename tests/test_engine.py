@@ -22,6 +22,10 @@ BAD = {
     "prepare_signature": (GOOD + "def prepare():\n    pass\n", "validate", "TypeError"),
     "raises": ("def forward(state, batch):\n    raise RuntimeError('boom')\n", "warmup", "RuntimeError"),
     "wrong_shape": ("import torch\ndef forward(state, batch):\n    return torch.zeros(3)\n", "warmup", "ValueError"),
+    "float64": (GOOD.replace("ref.forward(state, batch)", "ref.forward(state, batch).double()"), "warmup",
+                "TypeError"),
+    "meta": (GOOD.replace("ref.forward(state, batch)", "ref.forward(state, batch).to('meta')"), "warmup",
+             "TypeError"),
     "exit": ("import sys\ndef forward(state, batch):\n    sys.exit(3)\n", "warmup", "RuntimeError"),
     "oom": (GOOD + "import torch\ndef prepare(state):\n    state.scratch['x'] = torch.empty(1 << 60)\n",
             "prepare", "RuntimeError"),
@@ -46,6 +50,34 @@ def test_failures_are_results_and_the_next_candidate_installs(llama_engine, case
     assert good.ok, good.error
     assert llama_engine.check_bit_exact(good.candidate_id).exact
     assert llama_engine.weights_loaded == 1  # never a weight reload
+
+
+def test_output_that_breaks_the_contract_on_wider_batches_is_the_candidates_failure(llama_engine):
+    """Warm-up runs one row; a pass that returns one row whatever the batch installs, and every
+    call that reads its output says so as its failure (stage "forward"), with no worker death."""
+    src = GOOD.replace("return ref.forward(state, batch)", "return ref.forward(state, batch)[:1]")
+    r = llama_engine.submit_forward_pass(src)
+    assert r.ok, r.error
+    cid = r.candidate_id
+    for res in (llama_engine.check_bit_exact(cid), llama_engine.check_bit_exact(cid, mode="tolerance"),
+                llama_engine.measure_fast(cid), llama_engine.measure_full(cid)):
+        assert not res.ok and res.error.stage == "forward", res.error
+        assert "shape (1, " in res.error.message and "rows" in res.error.message, res.error.message
+    good = llama_engine.submit_forward_pass(GOOD)
+    assert llama_engine.check_bit_exact(good.candidate_id).exact
+
+
+def test_what_a_pass_does_to_its_state_containers_stays_in_its_view(llama_engine):
+    """state.k_cache / tables / weights are the candidate's own containers (the tensors in them
+    are shared): emptying them in prepare breaks nobody else."""
+    src = GOOD + ("def prepare(state):\n    state.k_cache.pop()\n    state.v_cache.clear()\n"
+                  "    state.tables.clear()\n    state.weights.popitem()\n")
+    r = llama_engine.submit_forward_pass(src)
+    assert r.ok, r.error
+    assert llama_engine.check_bit_exact(r.candidate_id).exact
+    assert llama_engine.measure_fast("reference").outputs_match == "bitwise"
+    good = llama_engine.submit_forward_pass(GOOD)
+    assert llama_engine.check_bit_exact(good.candidate_id).exact
 
 
 def test_traceback_shows_candidate_lines(llama_engine):

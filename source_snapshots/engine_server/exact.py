@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from engine_server.greedy import argmax
-from engine_server.measure import NEAR_TIE_K, call, compare, near_tie, run_step
+from engine_server.measure import NEAR_TIE_K, call, compare, near_tie, output, run_step
 from engine_server.results import ExactResult, Mismatch, TokenDivergence
 from engine_server.state import decode_batch, prefill_batch
 
@@ -231,7 +231,7 @@ def check(eng, cand, mode: str = "bitwise", factor: float = 2.0, floor: float = 
             eng.state.load_cache(*noise)
             st = eng.candidate_state(c, layers)
             b = prefill_batch(torch.tensor([prompts[0]], device=eng.device), torch.tensor([0], device=eng.device))
-            sub[name] = call(lambda: c.forward(st, b)).detach().clone()
+            sub[name] = output(eng, call(lambda: c.forward(st, b)), b).detach().clone()
         if not torch.equal(sub["ref"], sub["cand"]):
             # a violation when everything else matched, or (tolerance) when this is what is not close
             first, was_close = res.first_mismatch is None, diff.close

@@ -4,6 +4,8 @@ process it runs in. Each check returns a list of violations (plain sentences); e
 What is caught, and where (tests/cheaters/ holds one candidate of each kind):
 - writing to the weights: `WeightGuard` (a pristine copy, tensor identity and version
   counters), after prepare and after every guarded run;
+- swapping what the engine's `State` holds (a table, a cache layer, the layers to run) by
+  reaching past the candidate's own view of it: `StateGuard`, at the same points;
 - results kept from an earlier call: `exact.py`'s probe re-runs a step on a changed cache
   and the output must change as the reference's does;
 - skipping layers: bitwise logits over all layers and over the fast tier's subset
@@ -54,6 +56,42 @@ class WeightGuard:
         return out
 
 
+class StateGuard:
+    """The engine's `State` as built: each field's object and, for the weights, tables and
+    caches, the tensor each name or layer holds. Candidates see copies of these containers
+    (`Engine.candidate_state`); one that reaches the engine's own and swaps an entry (a table
+    changed for every later call, reference included; a cache layer that CUDA graphs captured
+    earlier no longer read) is reported and put back."""
+
+    CONTAINERS = ("weights", "tables", "k_cache", "v_cache")
+
+    def __init__(self, state):
+        import dataclasses
+        self.state = state
+        self.fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "scratch"}
+        self.items = {f: (dict if isinstance(self.fields[f], dict) else list)(self.fields[f]) for f in self.CONTAINERS}
+
+    def check(self) -> list[str]:
+        out = []
+        for name, obj in self.fields.items():
+            if getattr(self.state, name) is not obj:
+                out.append(f"replaced the engine's state.{name}")
+                setattr(self.state, name, obj)
+        for name, items in self.items.items():
+            now = self.fields[name]
+            if isinstance(items, dict):
+                keys = set(items) | set(now)
+                changed = sorted(k for k in keys if now.get(k) is not items.get(k))
+                if changed:
+                    out.append(f"swapped the engine's state.{name} entries {changed[:5]}")
+                    now.clear()
+                    now.update(items)
+            elif len(now) != len(items) or any(a is not b for a, b in zip(now, items)):
+                out.append(f"swapped the engine's state.{name} layers (the KV cache list)")
+                now[:] = items
+        return out
+
+
 def settled(run: Callable[[], torch.Tensor], wait_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
     """Run a forward pass and check its output is final when it returns.
 
@@ -87,14 +125,20 @@ class ProcessGuard:
         import builtins
         import gc
 
+        import json
+
+        import engine_server.candidate as candidate
         import engine_server.exact as exact
         import engine_server.measure as measure
+        from engine_server.engine import Engine
 
         targets = [(time, "perf_counter"), (time, "perf_counter_ns"), (time, "monotonic"), (time, "sleep"),
                    (torch, "equal"), (torch.Tensor, "clone"), (torch.Tensor, "copy_"), (torch, "allclose"),
                    (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
-                   (builtins, "compile"), (gc, "collect")]
-        for mod in (exact, measure):
+                   (builtins, "compile"), (gc, "collect"), (json, "dumps"),
+                   (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check")]
+        # the engine's own methods and what measures and checks (the worker answers with them)
+        for mod in (exact, measure, candidate, Engine):
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
         targets += list(extra or [])
         self.saved = [(obj, name, getattr(obj, name)) for obj, name in targets if hasattr(obj, name)]
