@@ -63,19 +63,20 @@ class LedgerError(RuntimeError):
     """The ledger file cannot be used (not WAL-capable, or written by a newer schema)."""
 
 
-def _clean(v: Any) -> Any:
-    """Make `v` valid strict JSON: non-finite floats -> strings, non-str keys -> str."""
+def strict_json(v: Any) -> Any:
+    """`v` as valid strict JSON: non-finite floats -> "nan"/"inf"/"-inf", non-str keys -> str
+    (the ledger's text and the engine's HTTP answers both)."""
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, dict):
-        return {k if isinstance(k, str) else str(k): _clean(x) for k, x in v.items()}
+        return {k if isinstance(k, str) else str(k): strict_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [strict_json(x) for x in v]
     return v
 
 
 def _dumps(v: Any) -> str | None:
-    return None if v is None else json.dumps(_clean(v), default=str, allow_nan=False)
+    return None if v is None else json.dumps(strict_json(v), default=str, allow_nan=False)
 
 
 def _row(table: str, r: sqlite3.Row, parse_json: bool = True) -> dict:

@@ -7,15 +7,27 @@ cheats or is slower comes back as one of these with `ok`/`exact`/`valid` false a
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
 import traceback
 from functools import lru_cache
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PlainSerializer, WithJsonSchema
 
 STAGES = ("parsed", "imported", "validated", "prepared", "warmed", "captured", "ready")
+
+
+def _json_number(v: float) -> float | str:
+    return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+
+
+# a result's number: JSON has no NaN or infinity, so those travel as "nan"/"inf"/"-inf" (as the
+# ledger stores them; pydantic reads them back as floats), and the schema agents see says so
+Num = Annotated[float, PlainSerializer(_json_number, return_type=float | str, when_used="json"),
+                WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": ["nan", "inf", "-inf"]}]})]
 
 
 class ErrorInfo(BaseModel):
@@ -77,19 +89,19 @@ class InstallResult(BaseModel):
     prepare_bytes: int = Field(0, description="memory that prepare() allocated")
     graphs: list[str] = Field(default_factory=list, description="CUDA graphs captured, by shape")
     notes: list[str] = Field(default_factory=list, description="e.g. why it runs without CUDA graphs")
-    seconds: float = 0.0
+    seconds: Num = 0.0
 
 
 class ShapeTiming(BaseModel):
     shape: str = Field(description="e.g. 'decode B=1 ctx=812'")
     batch: int
     context: int
-    step_ms: float = Field(description="candidate median time per decode step")
-    reference_step_ms: float
-    speedup: float
-    spread_ms: float = Field(description="interquartile range of the candidate's samples")
-    tokens_per_s: float
-    weight: float = Field(1.0, description="fast tier: ops of this kind in the full tier's replay")
+    step_ms: Num = Field(description="candidate median time per decode step")
+    reference_step_ms: Num
+    speedup: Num
+    spread_ms: Num = Field(description="interquartile range of the candidate's samples")
+    tokens_per_s: Num
+    weight: Num = Field(1.0, description="fast tier: ops of this kind in the full tier's replay")
 
 
 class MeasureResult(BaseModel):
@@ -99,12 +111,12 @@ class MeasureResult(BaseModel):
     valid: bool = Field(True, description="false when a check of the timed outputs or the process failed")
     error: ErrorInfo | None = None
     violations: list[str] = Field(default_factory=list)
-    speedup: float = Field(0.0, description="reference time / candidate time, same call, A/B interleaved")
-    speedup_ci95: tuple[float, float] = (0.0, 0.0)
-    step_ms: float = Field(0.0, description="candidate median time per decode step (mean over shapes)")
-    reference_step_ms: float = 0.0
-    tokens_per_s: float = Field(0.0, description="decode tokens/s of the candidate over the shapes")
-    reference_tokens_per_s: float = 0.0
+    speedup: Num = Field(0.0, description="reference time / candidate time, same call, A/B interleaved")
+    speedup_ci95: tuple[Num, Num] = (0.0, 0.0)
+    step_ms: Num = Field(0.0, description="candidate median time per decode step (mean over shapes)")
+    reference_step_ms: Num = 0.0
+    tokens_per_s: Num = Field(0.0, description="decode tokens/s of the candidate over the shapes")
+    reference_tokens_per_s: Num = 0.0
     samples: int = Field(0, description="timed rounds per side after warm-up (fast tier: it may stop before "
                                         "config.rounds once speedup_ci95 is within +-config.target_ci; "
                                         "config.stopped says why it stopped)")
@@ -114,18 +126,18 @@ class MeasureResult(BaseModel):
                                                "reference's on the same inputs")
     # full tier only
     requests: int = 0
-    per_user_tps_p50: float | None = None
-    per_user_tps_p90: float | None = None
-    ttft_ms_p50: float | None = None
-    ttft_ms_p90: float | None = None
-    throughput_tps: float | None = None
-    reference_throughput_tps: float | None = None
-    tokens_match: float | None = Field(None, description="share of replay steps whose greedy token equals "
+    per_user_tps_p50: Num | None = None
+    per_user_tps_p90: Num | None = None
+    ttft_ms_p50: Num | None = None
+    ttft_ms_p90: Num | None = None
+    throughput_tps: Num | None = None
+    reference_throughput_tps: Num | None = None
+    tokens_match: Num | None = Field(None, description="share of replay steps whose greedy token equals "
                                                          "the reference's")
     near_ties: int | None = Field(None, description="replay steps whose differing tokens the reference ranks "
                                                     "within 2% of its top logit (allowed)")
-    experts_active: float | None = Field(None, description="MoE: distinct experts per layer per step (mean)")
-    seconds: float = 0.0
+    experts_active: Num | None = Field(None, description="MoE: distinct experts per layer per step (mean)")
+    seconds: Num = 0.0
     hardware: Hardware | None = None
     config: dict = Field(default_factory=dict)
 
@@ -135,8 +147,8 @@ class Mismatch(BaseModel):
     step: int
     row: int
     index: int = Field(description="vocab index of the first differing logit")
-    reference: float
-    candidate: float
+    reference: Num
+    candidate: Num
 
 
 class TokenDivergence(BaseModel):
@@ -147,9 +159,9 @@ class TokenDivergence(BaseModel):
     row: int
     reference_token: int
     candidate_token: int
-    reference_gap: float = Field(description="the reference's logit of its token minus its logit of the candidate's")
-    candidate_gap: float = Field(description="the candidate's logit of its token minus its logit of the reference's")
-    wide_gap: float | None = Field(None, description="tolerance mode: the reference run in the wider dtype, its "
+    reference_gap: Num = Field(description="the reference's logit of its token minus its logit of the candidate's")
+    candidate_gap: Num = Field(description="the candidate's logit of its token minus its logit of the reference's")
+    wide_gap: Num | None = Field(None, description="tolerance mode: the reference run in the wider dtype, its "
                                                      "logit of the reference's token minus that of the candidate's "
                                                      "(negative: it prefers the candidate's)")
     near_tie: bool = Field(description="the reference ranks the candidate's token among its top 8, within 2% of "
@@ -164,20 +176,20 @@ class ExactResult(BaseModel):
     close: bool | None = Field(None, description="tolerance mode: on every step no further from the reference run "
                                                  "in a wider dtype than `factor` times the reference itself, and "
                                                  "identical greedy tokens (never counts as exact)")
-    candidate_error: float | None = Field(None, description="tolerance mode: max |candidate - wide reference|")
-    reference_error: float | None = Field(None, description="tolerance mode: max |reference - wide reference|")
-    tolerance_used: float | None = Field(None, description="tolerance mode: worst step's candidate error over its "
+    candidate_error: Num | None = Field(None, description="tolerance mode: max |candidate - wide reference|")
+    reference_error: Num | None = Field(None, description="tolerance mode: max |reference - wide reference|")
+    tolerance_used: Num | None = Field(None, description="tolerance mode: worst step's candidate error over its "
                                                            "bound (at most 1 passes)")
     tolerance: dict | None = Field(None, description="tolerance mode: factor, floor and the wide dtype")
     steps: int = 0
     rows: int = 0
     tokens_equal: bool = False
     kv_equal: bool = False
-    max_abs_diff: float = 0.0
+    max_abs_diff: Num = 0.0
     first_mismatch: Mismatch | None = None
     token_divergence: TokenDivergence | None = Field(None, description="where the greedy tokens first differ "
                                                                        "(None: they never do)")
     violations: list[str] = Field(default_factory=list)
     error: ErrorInfo | None = None
-    seconds: float = 0.0
+    seconds: Num = 0.0
     hardware: Hardware | None = None

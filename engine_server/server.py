@@ -11,7 +11,12 @@
 - Every call has a timeout. A worker that hangs past it, or dies (segfault, CUDA fault,
   os._exit, out-of-memory kill), is restarted: the call returns a clear error, the restart
   and its cost go into the ledger, and the next call works. Candidates installed before a
-  restart are reinstalled from the ledger when next used.
+  restart are reinstalled from the ledger when next used. A worker that ended between calls
+  is restarted before the next call, which is not blamed (the event names the last install).
+- Every reply carries its call's nonce; a line without it (code in the worker writing to the
+  reply channel) kills and restarts the worker, and the call says so. An exception of the
+  engine's own is answered with its message and the worker restarted, so nothing half-done
+  carries over.
 - The ledger row of every call is written before its result is returned.
 - SIGTERM (or Ctrl-C) stops the worker and removes engine.json.
 """
@@ -35,7 +40,7 @@ from pathlib import Path
 from engine_server import snapshot
 from engine_server.client import state_dir, write_atomic
 from engine_server.config import EngineConfig
-from engine_server.ledger import Ledger
+from engine_server.ledger import Ledger, strict_json
 from engine_server.log import get_logger
 from engine_server.results import ErrorInfo, ExactResult, InstallResult, MeasureResult
 
@@ -47,9 +52,14 @@ LOCAL_METHODS = {"read_engine_source", "leaderboard", "candidate_source", "traff
 
 
 class WorkerFailure(Exception):
+    """The worker could not answer a call and was killed or has exited; `kind` says how:
+    "timeout" (a hang past the call's deadline), "died" (its process ended), "tampered" (a
+    protocol line nobody asked for: code in the worker writes to the reply channel) or
+    "internal" (the engine's own exception, answered, after which the worker exits)."""
+
     def __init__(self, kind: str, message: str):
         super().__init__(message)
-        self.kind = kind  # "timeout" or "died"
+        self.kind = kind
 
 
 class Worker:
@@ -73,7 +83,7 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True)
         logf.close()
         threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
-        first = self._wait(0, timeout, "start")
+        first = self._wait(0, timeout, "start")  # written before any candidate code runs
         if not first.get("ok"):
             self.kill()
             raise RuntimeError(f"engine worker failed to start: {first.get('error')} (log: {self.log_path})")
@@ -89,13 +99,15 @@ class Worker:
                 continue
         lines.put(None)  # EOF: the worker is gone
 
-    def _wait(self, rid: int, timeout: float, what: str) -> dict:
+    def _wait(self, rid: int, timeout: float, what: str, nonce: str | None = None, grace: float = 0.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise WorkerFailure("timeout", f"{what} exceeded its timeout of {timeout:g} s; the worker was killed")
+                raise WorkerFailure("timeout", f"{what} ran past its timeout of {timeout - grace:g} s"
+                                               + (f" and {grace:g} s of grace" if grace else "")
+                                               + "; the worker was killed")
             try:
                 msg = self.lines.get(timeout=left)
             except queue.Empty:
@@ -104,18 +116,27 @@ class Worker:
                 code = self.proc.wait()
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 raise WorkerFailure("died", f"the worker died ({how}) during {what}")
-            if msg.get("id") == rid:
-                return msg
+            if not isinstance(msg, dict) or msg.get("id") != rid or msg.get("nonce") != nonce:
+                self.kill()
+                raise WorkerFailure("tampered", f"the worker wrote a reply nobody asked for during {what} "
+                                                f"(not this call's id and nonce): code running in the worker "
+                                                f"writes to the engine's reply channel; the worker was killed")
+            if msg.get("fatal"):
+                self.proc.wait(timeout=30)
+                raise WorkerFailure("internal", f"the engine failed in {what}: {msg.get('error')} "
+                                                f"(traceback in {self.log_path})")
+            return msg
 
-    def call(self, method: str, params: dict, timeout: float, agent: str | None = None) -> dict:
+    def call(self, method: str, params: dict, timeout: float, agent: str | None = None, grace: float = 0.0) -> dict:
         self._id += 1
-        msg = {"id": self._id, "method": method, "params": params, "agent": agent}
+        nonce = secrets.token_hex(16)
+        msg = {"id": self._id, "nonce": nonce, "method": method, "params": params, "agent": agent}
         try:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the reader sees EOF and reports the death
-        return self._wait(self._id, timeout, method)
+        return self._wait(self._id, timeout, method, nonce, grace)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -141,7 +162,8 @@ class Supervisor:
         self.ledger = Ledger(ledger_path or home / "ledger.db")
         self.worker = Worker(config, home / "worker.log")
         self.device_lock = threading.Lock()
-        self.installed: set[str] = set()
+        self.installed: set[str] = set()  # in the worker now (a restart empties it)
+        self.last_install: tuple[str, str | None] | None = None  # (candidate, agent): who ran code last
         self.restarts = 0
         self.started_at = time.time()
         startup = self.worker.start()
@@ -169,6 +191,9 @@ class Supervisor:
             result = getattr(self, "_" + method)(agent_id=agent_id, **params)
         except TypeError as e:
             result = {"ok": False, "error": f"bad parameters for {method}: {e}"}
+        except Exception as e:  # noqa: BLE001 - the call fails, its ledger row is still finished
+            log.exception("call failed", method=method, candidate=cid, agent=agent_id)
+            result = {"ok": False, "error": f"{method} failed in the engine server: {type(e).__name__}: {e}"}
         if isinstance(result, dict) and result.get("candidate_id") and not cid:
             cid = result["candidate_id"]
         self.ledger.finish_call(call_id, bool(result.get("ok")), result,
@@ -178,8 +203,11 @@ class Supervisor:
 
     def _device_call(self, method: str, params: dict, timeout: float | None = None, agent: str | None = None) -> dict:
         """Run on the worker; a hang or death restarts it and raises WorkerFailure."""
+        if self.worker.proc.poll() is not None:
+            self._died_idle()
         try:
-            resp = self.worker.call(method, params, timeout or self.timeout_for(method), agent)
+            resp = self.worker.call(method, params, timeout or self.timeout_for(method), agent,
+                                    grace=0.0 if timeout else self.config.worker_grace_s)
         except WorkerFailure as e:
             self._restart(e, method, params.get("candidate_id"))
             raise
@@ -187,22 +215,36 @@ class Supervisor:
             return {"ok": False, "error": resp.get("error")}
         return resp["result"]
 
+    def _died_idle(self) -> None:
+        """The worker ended between calls (a thread a candidate left behind, a closed pipe): restart
+        it before the next call, which is not to blame, and say which installs it had run."""
+        code = self.worker.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        last = self.last_install
+        failure = WorkerFailure("died", f"the worker died ({how}) between calls; the last candidate installed "
+                                        f"in it was {last[0] if last else None!r} (agent {last[1] if last else None!r})")
+        self._restart(failure, "idle", last[0] if last else None)
+
     def _restart(self, failure: WorkerFailure, method: str, cid: str | None) -> None:
         self.worker.kill()
+        suspects = sorted(self.installed)
         t0 = time.perf_counter()
         self.worker.start()
         cost = time.perf_counter() - t0
         self.restarts += 1
         self.installed.clear()
+        self.last_install = None
         failure.restart_s = cost
         self.ledger.record_event("worker_restart", {"reason": failure.kind, "message": str(failure),
                                                     "method": method, "seconds": round(cost, 3),
-                                                    "restarts": self.restarts}, candidate_id=cid)
+                                                    "restarts": self.restarts, "installed": suspects},
+                                 candidate_id=cid)
         log.warning("worker restarted", reason=failure.kind, method=method, candidate=cid, seconds=round(cost, 2))
 
     def _failed(self, model, failure: WorkerFailure, **fields) -> dict:
-        stage = "timeout" if failure.kind == "timeout" else "worker"
-        err = ErrorInfo(stage=stage, type="TimeoutError" if failure.kind == "timeout" else "WorkerDied",
+        stage, kind = {"timeout": ("timeout", "TimeoutError"), "tampered": ("worker", "Tampering"),
+                       "internal": ("engine", "EngineError")}.get(failure.kind, ("worker", "WorkerDied"))
+        err = ErrorInfo(stage=stage, type=kind,
                         message=f"{failure}; restarted in {getattr(failure, 'restart_s', 0):.1f} s "
                                 f"(restart #{self.restarts}). The engine is ready for the next call.")
         out = model(ok=False, error=err, **fields).model_dump(mode="json")
@@ -212,6 +254,8 @@ class Supervisor:
 
     def _ensure_installed(self, cid: str) -> dict | None:
         """Reinstall a candidate the worker lost in a restart. None when it is there."""
+        if self.worker.proc.poll() is not None:
+            self._died_idle()
         if cid in self.installed or cid == "reference":
             return None
         row = self.ledger.candidate(cid)
@@ -225,6 +269,7 @@ class Supervisor:
         self.ledger.record_event("reinstall", {"ok": r.get("ok")}, candidate_id=cid)
         if r.get("ok"):
             self.installed.add(cid)
+            self.last_install = (cid, row.get("agent_id"))
             return None
         return {"ok": False, "message": f"reinstall of {cid!r} failed: {_error_text(r)}"}
 
@@ -234,8 +279,9 @@ class Supervisor:
         """Give a submission its id and ledger row before anything runs, so that even a call
         cut short by a kill names its candidate. Callers cannot choose ids."""
         params = {k: v for k, v in params.items() if k != "candidate_id"}
-        source = params.get("source")
-        if isinstance(source, str) and source.strip():
+        source, parent = params.get("source"), params.get("parent")
+        known = not parent or parent == "reference" or self.ledger.candidate(parent) is not None
+        if isinstance(source, str) and source.strip() and known:
             params["candidate_id"] = self.ledger.next_candidate_id()
             self.ledger.add_candidate(params["candidate_id"], source, name=params.get("name"),
                                       parent=params.get("parent"), agent_id=agent_id)
@@ -243,7 +289,10 @@ class Supervisor:
 
     def _submit_forward_pass(self, source: str, name: str | None = None, parent: str | None = None,
                              agent_id: str | None = None, candidate_id: str | None = None) -> dict:
-        if candidate_id is None:  # _new_candidate gives every non-empty source an id
+        if candidate_id is None:  # _new_candidate gives every non-empty source with a known parent an id
+            if isinstance(source, str) and source.strip():
+                return {"ok": False, "error": f"parent {parent!r} is not a candidate in this engine's ledger "
+                                              f"(leaderboard lists them; 'reference' is the engine's own pass)"}
             return InstallResult(candidate_id="", ok=False, stage="none", error=ErrorInfo(
                 stage="parse", type="ValueError", message="source is empty")).model_dump(mode="json")
         cid = candidate_id
@@ -255,6 +304,7 @@ class Supervisor:
                 r = self._failed(InstallResult, f, candidate_id=cid, name=name, parent=parent, stage="none")
         if r.get("ok"):
             self.installed.add(cid)
+            self.last_install = (cid, agent_id)
         self.ledger.update_candidate(cid, stage=r.get("stage"), ok=bool(r.get("ok")), error=_error_text(r))
         return r
 
@@ -359,7 +409,7 @@ def make_app(sup: Supervisor, token: str):
         params.pop("agent_id", None)
         method = request.path_params["method"]
         result = await anyio.to_thread.run_sync(sup.handle, method, params, agent, abandon_on_cancel=True)
-        return JSONResponse(result)
+        return JSONResponse(strict_json(result))  # a NaN logit's max_abs_diff travels as "nan"
 
     async def health(request: Request):
         return JSONResponse({"ok": True, "model": sup.config.model, "device": sup.config.device,

@@ -2,9 +2,13 @@
 
 Started by the supervisor (`server.py`) as `python -m engine_server.worker CONFIG_JSON`.
 Protocol on its stdin/stdout, one JSON object a line:
-    supervisor -> worker  {"id": n, "method": "measure_fast", "params": {...}}
-    worker -> supervisor  {"id": n, "ok": true, "result": {...}}   (or "ok": false, "error": "...")
-The first line the worker writes is {"id": 0, "ok": true, "result": {"ready": ...info}}.
+    supervisor -> worker  {"id": n, "nonce": s, "method": "measure_fast", "params": {...}}
+    worker -> supervisor  {"id": n, "nonce": s, "ok": true, "result": {...}}   (or "ok": false, "error": "...")
+The first line the worker writes is {"id": 0, "ok": true, "result": {"ready": ...info}}. The nonce is
+fresh for every call, so a line that code in this process writes ahead of time (a candidate that
+found the protocol's file descriptor) cannot pass for a reply: the supervisor restarts the worker
+on any line it did not ask for. An exception of the engine's own (not a candidate's, which is a
+result) is answered with "fatal": true, and the worker exits for the supervisor to restart it.
 Methods resolve to `Engine` methods of the same name; tensors never cross the pipe.
 stdout carries only protocol lines: anything a candidate prints goes to stderr.
 """
@@ -31,6 +35,9 @@ def main(argv: list[str]) -> int:
     import structlog
 
     from engine_server.engine import Engine, EngineConfig
+    from engine_server.log import get_logger
+
+    log = get_logger("worker")
 
     cfg = EngineConfig(**json.loads(argv[0]))
     try:
@@ -47,14 +54,22 @@ def main(argv: list[str]) -> int:
         # every log line of this call names the agent and candidate it concerns
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(agent=req.get("agent"), candidate=params.get("candidate_id"))
+        fatal = False
         if method not in METHODS:
-            resp = {"id": req.get("id"), "ok": False, "error": f"unknown method {method!r}"}
+            resp = {"ok": False, "error": f"unknown method {method!r}"}
         else:
             try:
-                resp = {"id": req.get("id"), "ok": True, "result": _dump(getattr(eng, method)(**params))}
+                resp = {"ok": True, "result": _dump(getattr(eng, method)(**params))}
             except TypeError as e:  # bad parameters from the caller
-                resp = {"id": req.get("id"), "ok": False, "error": f"bad parameters for {method}: {e}"}
-        proto.write(json.dumps(resp, default=str) + "\n")
+                resp = {"ok": False, "error": f"bad parameters for {method}: {e}"}
+            except Exception as e:  # noqa: BLE001 - the engine's own failure: say what, then start clean
+                log.exception("internal error", method=method)
+                resp = {"ok": False, "fatal": True, "error": f"{type(e).__name__}: {e}"}
+                fatal = True
+        # the call's nonce: a reply line anything else in this process writes cannot carry it
+        proto.write(json.dumps({"id": req.get("id"), "nonce": req.get("nonce"), **resp}, default=str) + "\n")
+        if fatal:
+            return 1  # the supervisor restarts the worker: nothing half-done carries into the next call
     return 0
 
 

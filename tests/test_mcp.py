@@ -144,12 +144,19 @@ def test_tools_are_listed_and_source_is_read_only_inside_the_snapshot(engine, tm
             prof = await call(s, "traffic_profile")
             assert prof["fast_layers"] and prof["fast_shapes"] and prof["profile"]["requests"] > 0
             assert "no candidate" in await tool_error(s, "candidate_source", candidate_id="c9999")
+            # an unknown candidate is the caller's mistake in every tool that takes one
+            for tool in ("measure_fast", "measure_full", "check_bit_exact"):
+                assert "c9999" in await tool_error(s, tool, candidate_id="c9999")
+            assert "parent 'c9999'" in await tool_error(s, "submit_forward_pass", source="x = 1\n", parent="c9999")
+            assert "past the end" in await tool_error(s, "read_engine_source", path=ref, start_line=10 ** 6)
+            assert "not a range" in await tool_error(s, "read_engine_source", path=ref, start_line=10, end_line=3)
             return len(tools)
 
     anyio.run(go)
     # every tool call is in the ledger under this agent, the refused ones included
     methods = collections.Counter(c["method"] for c in engine.ledger().calls(agent_id="reader"))
-    assert methods == {"read_engine_source": 8, "traffic_profile": 1, "candidate_source": 1}
+    assert methods == {"read_engine_source": 10, "traffic_profile": 1, "candidate_source": 1, "measure_fast": 1,
+                       "measure_full": 1, "check_bit_exact": 1, "submit_forward_pass": 1}
 
 
 def test_reference_is_exact_and_a_perturbed_copy_is_not(engine, tmp_path):
@@ -175,6 +182,11 @@ def test_reference_is_exact_and_a_perturbed_copy_is_not(engine, tmp_path):
             assert ex2["first_mismatch"]["phase"] and 0 < ex2["max_abs_diff"] < 1e-3
             tol = await call(s, "check_bit_exact", candidate_id=bad["candidate_id"], mode="tolerance")
             assert tol["close"] is True and tol["exact"] is False
+            nan = await call(s, "submit_forward_pass", name="nan",
+                             source="from engine_server.models import llama as ref\n\n"
+                                    "def forward(state, batch):\n    return ref.forward(state, batch) * float('nan')\n")
+            ex3 = await call(s, "check_bit_exact", candidate_id=nan["candidate_id"])  # a result, not a 500
+            assert ex3["ok"] and not ex3["exact"] and ex3["max_abs_diff"] == "nan", ex3  # JSON has no NaN
 
             board = await call(s, "leaderboard", tier="fast", limit=50)
             row = next(r for r in board["rows"] if r["candidate_id"] == cid)

@@ -185,3 +185,84 @@ def test_state_files_are_never_seen_half_written(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["engine.json"]  # no temporary left behind
     # the race is real: the same poller catches plain writes mid-way
     assert _torn_reads(lambda p, s: Path(p).write_text(s), tmp_path / "plain.json") > 0
+
+
+NAN = REF.replace("return ref.forward(state, batch)", "return ref.forward(state, batch) * float('nan')")
+FORGER = REF + '''
+import json, os
+
+def prepare(state):
+    """Finds the worker's reply channel among its descriptors and writes replies ahead of time."""
+    for fd in range(3, 64):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") and fd != 0:
+                for i in range(1, 200):
+                    os.write(fd, (json.dumps({"id": i, "ok": True, "result": {
+                        "candidate_id": "FORGED", "ok": True, "stage": "ready", "speedup": 99.0,
+                        "valid": True, "exact": True}}) + "\\n").encode())
+        except OSError:
+            continue
+'''
+LATE_EXIT = REF + "import os, threading, time\n\ndef prepare(state):\n" \
+                  "    threading.Thread(target=lambda: (time.sleep(0.5), os._exit(1)), daemon=True).start()\n"
+
+
+def test_non_finite_results_reach_the_caller(engine):
+    """A NaN logit's max_abs_diff is valid JSON on the wire ("nan"), not a 500."""
+    _, _, info = engine
+    c = EngineClient.from_url(info["url"], info["token_file"])
+    cid = c.call("submit_forward_pass", source=NAN)["candidate_id"]
+    ex = c.call("check_bit_exact", candidate_id=cid)
+    assert ex["ok"] and not ex["exact"] and ex["max_abs_diff"] == "nan"
+
+
+def test_forged_replies_are_refused_and_the_worker_restarted(engine):
+    home, _, info = engine
+    c = EngineClient.from_url(info["url"], info["token_file"], agent_id="forger")
+    before = c.call("info")["restarts"]
+    r = c.call("submit_forward_pass", source=FORGER, name="forger")
+    assert not r["ok"] and r["candidate_id"] != "FORGED", r
+    assert r["error"]["type"] == "Tampering" and r["worker_restarted"], r["error"]
+    assert c.call("info")["restarts"] == before + 1
+    good = c.call("submit_forward_pass", source=REF)
+    assert good["ok"] and good["candidate_id"].startswith("c")
+    m = c.call("measure_fast", candidate_id=good["candidate_id"])
+    assert m["ok"] and m["valid"] and m["speedup"] < 2
+    assert not any(row["candidate_id"] == "FORGED" for row in c.call("leaderboard")["rows"])
+
+
+def test_a_worker_that_dies_between_calls_is_restarted_without_blaming_the_next_call(engine):
+    home, _, info = engine
+    x = EngineClient.from_url(info["url"], info["token_file"], agent_id="x")
+    y = EngineClient.from_url(info["url"], info["token_file"], agent_id="y")
+    mine = y.call("submit_forward_pass", source=REF)["candidate_id"]
+    late = x.call("submit_forward_pass", source=LATE_EXIT)
+    assert late["ok"]
+    time.sleep(2)  # the worker is gone now
+    m = y.call("measure_fast", candidate_id=mine)
+    assert m["ok"] and m["valid"], m.get("error")
+    ev = [e for e in Ledger(home / "ledger.db").events() if e["kind"] == "worker_restart"][-1]
+    assert ev["candidate_id"] == late["candidate_id"] and "between calls" in ev["data"]["message"]
+
+
+BREAKER = REF + '''
+import gc
+
+def prepare(state):
+    for obj in gc.get_objects():
+        if type(obj).__name__ == "Engine" and hasattr(obj, "fast_setup"):
+            obj.fast_setup = None  # the engine's own call now fails inside it
+'''
+
+
+def test_an_engine_error_says_what_failed_and_restarts_the_worker(engine):
+    home, _, info = engine
+    c = EngineClient.from_url(info["url"], info["token_file"])
+    cid = c.call("submit_forward_pass", source=BREAKER)["candidate_id"]
+    before = c.call("info")["restarts"]
+    m = c.call("measure_fast", candidate_id=cid)
+    assert not m["ok"] and m["error"]["type"] == "EngineError" and m["worker_restarted"], m["error"]
+    assert "AttributeError" in m["error"]["message"] and "worker.log" in m["error"]["message"]
+    assert c.call("info")["restarts"] == before + 1
+    good = c.call("submit_forward_pass", source=REF)["candidate_id"]
+    assert c.call("measure_fast", candidate_id=good)["valid"]

@@ -181,6 +181,15 @@ def _as(model: type[BaseModel], d: dict) -> Any:
         raise ToolError(str(d.get("error") or d)) from None
 
 
+def _result(model: type[BaseModel], d: dict) -> Any:
+    """A measurement's or check's result; one for a candidate the engine does not have (error
+    stage "lookup") is the caller's mistake, a tool error like any other."""
+    err = d.get("error") if isinstance(d, dict) else None
+    if isinstance(err, dict) and err.get("stage") == "lookup":
+        raise ToolError(err.get("message") or "unknown candidate")
+    return _as(model, d)
+
+
 def _link(ctx: Context) -> EngineLink:
     return ctx.request_context.lifespan_context
 
@@ -274,7 +283,7 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         reference's: a candidate that is fast only while timed is flagged (`valid` false,
         `violations`). Speed counts only for a candidate check_bit_exact calls exact.
         """
-        return _as(MeasureResult, await _link(ctx).call(ctx, "measure_fast", candidate_id=candidate_id))
+        return _result(MeasureResult, await _link(ctx).call(ctx, "measure_fast", candidate_id=candidate_id))
 
     @server.tool()
     async def measure_full(ctx: Context, candidate_id: CandidateId) -> MeasureResult:
@@ -287,7 +296,7 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         for both sides, and `tokens_match` (share of replay steps whose greedy token equals
         the reference's).
         """
-        return _as(MeasureResult, await _link(ctx).call(ctx, "measure_full", candidate_id=candidate_id))
+        return _result(MeasureResult, await _link(ctx).call(ctx, "measure_full", candidate_id=candidate_id))
 
     @server.tool()
     async def check_bit_exact(
@@ -312,8 +321,8 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         reference's own error, with identical greedy tokens. For
         information only: it never makes a candidate exact.
         """
-        return _as(ExactResult, await _link(ctx).call(ctx, "check_bit_exact", candidate_id=candidate_id,
-                                                      mode=mode))
+        return _result(ExactResult, await _link(ctx).call(ctx, "check_bit_exact", candidate_id=candidate_id,
+                                                          mode=mode))
 
     @server.tool(annotations=READ_ONLY)
     async def leaderboard(
