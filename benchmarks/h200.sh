@@ -71,9 +71,9 @@ cycle)  # submit-to-fast-result on the live engine against a restart per experim
 fidelity+cycle)
     bash "$0" fidelity && bash "$0" cycle
     ;;
-memory)  # the winner alone: peak GPU memory of the engine with it, what its install adds
+memory)  # the H200 winner alone: peak GPU memory of the engine with it, what its install adds
     python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
-        --out "$OUT/memory.json" "${ladder[0]}" 2>&1 | tail -n 12 | cut -c1-400
+        --out "$OUT/memory.json" "${winners[0]}" 2>&1 | tail -n 12 | cut -c1-400
     ;;
 greedy)  # the greedy sampler inside a captured step: torch.argmax against engine_server.greedy
     python3 benchmarks/greedy_bench.py --device cuda --out "$OUT/greedy.json" 2>&1 | grep -v '^{' | tee "$OUT/greedy.txt"
