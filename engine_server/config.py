@@ -126,6 +126,8 @@ class EngineConfig:
         if self.fast_prefill not in ("full", "layers"):
             raise ConfigError(f"fast_prefill {self.fast_prefill!r}: use 'full' or 'layers'")
         cuda = self.device.startswith("cuda")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch {self.max_batch}: at least 1")
         pick = lambda v, c, g: v or (g if cuda else c)  # noqa: E731
         return dataclasses.replace(
             self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
@@ -139,6 +141,17 @@ class EngineConfig:
             full_max_output=pick(self.full_max_output, 8, 64),
             exact_max_prompt=pick(self.exact_max_prompt, 48, 512),
             traffic=self.traffic or str(DEFAULT_TRACE))
+
+
+def check_device(device: str) -> None:
+    """ConfigError unless this machine has `device` ("cpu", "cuda", "cuda:N")."""
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available here (torch {torch.__version__}); use --device cpu")
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
 
 
 def preset_names() -> list[str]:
@@ -210,6 +223,8 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
     preset = PRESETS_DIR / f"{model}.json"
     if preset.exists():
         return load_config_file(preset, name=model), None
+    if p.suffix == ".json" or "/" in model:
+        raise ConfigError(f"model {model!r}: no such file or directory")
     raise ConfigError(f"unknown model {model!r}: not a directory, a config.json, or a preset "
                       f"(presets: {', '.join(preset_names())})")
 
@@ -219,6 +234,10 @@ def load_config_file(path: Path, name: str = "") -> ModelConfig:
         d = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: a model config is a JSON object, this holds a {type(d).__name__}")
     return from_hf_dict(d, name=name or Path(path).stem, source=str(path))
 
 

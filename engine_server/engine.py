@@ -26,7 +26,7 @@ import torch
 
 from engine_server import candidate as cands
 from engine_server import exact, measure, traffic
-from engine_server.config import EngineConfig, ModelConfig, parse_dtype, resolve_model, shrink
+from engine_server.config import EngineConfig, ModelConfig, check_device, parse_dtype, resolve_model, shrink
 from engine_server.graphs import StaticInputs, StepGraphs
 from engine_server.guards import ProcessGuard, StateGuard, WeightGuard
 from engine_server.heap import keep_heap
@@ -54,6 +54,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None):
         t0 = time.perf_counter()
         self.config = cfg = (config or EngineConfig()).resolved()
+        check_device(cfg.device)
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)
@@ -73,6 +74,9 @@ class Engine:
         else:
             weights = init_weights(mcfg, cfg.seed, self.dtype, self.device)
             self.weights_source = f"random init, seed {cfg.seed}"
+            if model_dir is not None:  # shrunk: its shapes are not the checkpoint's
+                log.warning("shrunk: the directory's weights are not loaded; random init from the seed",
+                            model_dir=str(model_dir), seed=cfg.seed)
         self.weights_loaded = 1
         k, v = new_cache(mcfg, cfg.max_batch + 1, max_seq, self.dtype, self.device)
         self.pad_slot = cfg.max_batch  # the last slot: padding rows and warm-up write here

@@ -1,6 +1,6 @@
 """The ledger: every candidate, its source, every call and its result, who asked and when.
 
-Contract (DESIGN.md, trust model): the ledger is written BEFORE a result is returned.
+Contract: the ledger is written BEFORE a result is returned.
 - Storage is one SQLite file in WAL mode. Every write method commits before it returns, so a
   returned call means the row survives `kill -9` of any process (engine server, worker,
   campaign harness, MCP server). `synchronous=FULL` (default) also survives power loss/host crash.
@@ -285,11 +285,12 @@ class Ledger:
             out.append(d)
         return out
 
-    def export(self, fmt: str, table: str, out: TextIO) -> int:
-        """Write `table` to `out` as JSON (a list, JSON columns parsed) or CSV (raw); row count."""
+    def export(self, fmt: str, table: str, out: TextIO, agent_id: str | None = None) -> int:
+        """Write `table` (given an agent, its rows only) to `out` as JSON (a list, JSON columns
+        parsed) or CSV (raw); row count."""
         if table not in TABLES or fmt not in ("json", "csv"):
             raise ValueError(f"export: fmt in ('json', 'csv'), table in {TABLES}")
-        rows = self._select(table, {}, parse_json=fmt == "json")
+        rows = self._select(table, {"agent_id": agent_id}, parse_json=fmt == "json")
         if fmt == "json":
             json.dump(rows, out, indent=1, default=str)
             out.write("\n")

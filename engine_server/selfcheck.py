@@ -26,7 +26,7 @@ def run(config: EngineConfig, out=print) -> dict:
     ref = eng.submit_forward_pass(reference_source(eng), name="reference-copy")
     pert = eng.submit_forward_pass(perturbed_source(eng), name="perturbed")
     report = {"model": eng.model.name, "model_type": eng.model.model_type, "device": eng.config.device,
-              "dtype": eng.config.dtype, "startup_s": round(eng.startup_s, 3)}
+              "dtype": eng.config.dtype, "weights": eng.weights_source, "startup_s": round(eng.startup_s, 3)}
     for label, r in (("reference", ref), ("perturbed", pert)):
         if not r.ok:
             report[f"exact_{label}"] = False
@@ -49,7 +49,8 @@ def run(config: EngineConfig, out=print) -> dict:
     report["speedup_fast"] = report.get("speedup_fast_reference")
     if eng.model.is_moe:
         report["experts_active"] = eng.fast_setup.experts_active
-    out(f"model {eng.model.name} ({eng.model.model_type}), {eng.model.num_layers} layers, fast tier layers "
+    out(f"model {eng.model.name} ({eng.model.model_type}, weights: {eng.weights_source}), "
+        f"{eng.model.num_layers} layers, fast tier layers "
         f"{list(eng.fast_layers)}, shapes: {', '.join(s.name for s in eng.fast_setup.shapes)}")
     out(json.dumps(report))
     return report

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from engine_server import snapshot
-from engine_server.client import state_dir, write_atomic
+from engine_server.client import running_engine, state_dir, write_atomic
 from engine_server.config import EngineConfig
 from engine_server.ledger import Ledger, strict_json
 from engine_server.log import get_logger
@@ -440,6 +440,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, home: st
 
     check_loopback(host)
     home = state_dir(home)
+    other = running_engine(home)
+    if other is not None:  # a second engine here would replace its token and its engine.json
+        raise RuntimeError(f"an engine is already running in {home} (pid {other.get('pid')}, {other.get('url')}); "
+                           f"stop it or give another --home")
     token = write_token(home / "engine.token")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,6 +1,6 @@
 """What a forward pass sees: `State` (weights, KV cache, config, layers) and `Batch`.
 
-The candidate contract (DESIGN.md):
+The candidate contract (the README says it too):
 
     forward(state, batch) -> logits   # [B, vocab], last position of each row
     prepare(state)                    # optional, once at install; may fill state.scratch

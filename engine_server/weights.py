@@ -70,7 +70,11 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype=torch.float32, device=
         path = model_dir / fname
         if not path.exists():
             raise WeightsError(f"{path}: shard named in {INDEX} is missing")
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types: a file it cannot parse
+            raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+        with handle as f:
             for name in f.keys():
                 key = _canonical(name, cfg)
                 if cfg.model_type == "gpt2" and key.endswith((".attn.bias", ".attn.masked_bias")):

@@ -141,3 +141,13 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_summary_says_how_the_agents_ended():
+    from tkcc_mcp.campaign import stop_line
+    rep = {"agents": [{"status": "exhausted"}, {"status": "exhausted"}], "budget_s": 60, "spent_s": 22.0}
+    assert stop_line(rep) == ("agents: 2 exhausted (tried every combination of its moves); every agent stopped "
+                              "before the 60 s budget")
+    rep = {"agents": [{"status": "done"}, {"status": "killed"}], "budget_s": 60, "spent_s": 60.4}
+    assert stop_line(rep) == "agents: 1 done (ran to the budget or its limit); 1 killed"
+    assert "before" not in stop_line({**rep, "spent_s": 10.0, "interrupted": True})

@@ -266,3 +266,14 @@ def test_an_engine_error_says_what_failed_and_restarts_the_worker(engine):
     assert c.call("info")["restarts"] == before + 1
     good = c.call("submit_forward_pass", source=REF)["candidate_id"]
     assert c.call("measure_fast", candidate_id=good)["valid"]
+
+
+def test_a_second_engine_on_a_home_in_use_is_refused(engine):
+    home, _, info = engine
+    token = (home / "engine.token").read_text()
+    out = subprocess.run([sys.executable, "-m", "tkcc_mcp.cli", "engine", "start", "--model", "llama-3.2-1b",
+                          "--shrink", "--device", "cpu", "--home", str(home)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "already running" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert (home / "engine.token").read_text() == token and (home / "engine.json").exists()
+    assert EngineClient.from_url(info["url"], info["token_file"]).call("info")["ok"]

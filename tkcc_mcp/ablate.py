@@ -129,12 +129,22 @@ def add_parser(sub) -> None:
     p = sub.add_parser("ablate", help="a profile x trial grid of campaigns and the table studies report",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--profiles", required=True, help="comma-separated profile names or paths")
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials", type=int, default=3, help="campaigns per profile (default 3)")
     add_common(p)
 
 
 def main(args) -> int:
     os.environ.setdefault("TKCC_LOG_LEVEL", "WARNING")
-    base = config_from_args(args)
-    profiles = [p for p in args.profiles.split(",") if p]
-    return guarded(lambda: run_ablation(base, profiles, args.trials, Path(args.out))["exit"])
+    from engine_server.log import configure
+    configure()  # loggers made at import read the level before it was set here
+    profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
+
+    def go() -> int:
+        if not profiles or args.trials < 1:
+            raise ValueError(f"--profiles needs at least one profile and --trials at least 1 "
+                             f"(got {args.profiles!r}, {args.trials})")
+        from tkcc_mcp.agents.profiles import load_profile
+        for name in profiles:  # every profile before the first campaign starts
+            load_profile(name)
+        return run_ablation(config_from_args(args), profiles, args.trials, Path(args.out))["exit"]
+    return guarded(go)

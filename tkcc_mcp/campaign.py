@@ -27,6 +27,7 @@ the best exact candidates on the full tier if they were not (`--confirm K`, as a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import json
@@ -349,17 +350,56 @@ def confirm_best(cfg: CampaignConfig, engines: Engines, ledger, ids: list[str]) 
             say(cfg, f"campaign: could not confirm {c['candidate_id']}: {e}")
 
 
+def check(cfg: CampaignConfig) -> None:
+    """Refuse, before anything starts, a campaign that could not run as asked (ValueError)."""
+    from tkcc_mcp.agents.profiles import load_profile
+    from tkcc_mcp.agents.record import missing_credentials
+    if cfg.agent not in AGENT_KINDS:
+        raise ValueError(f"--agent must be one of {AGENT_KINDS}")
+    if cfg.budget_s <= 0 or cfg.agents < 1 or cfg.max_experiments < 0:
+        raise ValueError(f"--budget must be above 0 s, --agents at least 1 and --max-experiments 0 (no cap) or more "
+                         f"(got {cfg.budget_s:g} s, {cfg.agents}, {cfg.max_experiments})")
+    load_profile(cfg.profile)  # every agent's profile, the search agent's label too: fail now, not per agent
+    if cfg.agent != "search" and missing_credentials():
+        raise ValueError(f"the {cfg.agent} agent cannot call a model: {missing_credentials()}")
+    if cfg.engines:
+        ignored = [flag for flag, v, default in (("--model", cfg.model, CampaignConfig.model), ("--device", cfg.device, ""),
+                                                 ("--shrink", cfg.shrink, None), ("--engine-arg", cfg.engine_args, []),
+                                                 ("--keep-engine", cfg.keep_engine, False)) if v != default]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} set the engine a campaign starts; with --engines the engines "
+                             f"are already running: leave {'it' if len(ignored) == 1 else 'them'} out")
+    else:  # the engine this campaign starts: its model and device, checked here
+        from engine_server.config import check_device, resolve_model
+        from tkcc_mcp.launch import default_device
+        resolve_model(cfg.model)
+        check_device(cfg.device or default_device())
+
+
+def _same_campaign(cfg: CampaignConfig, out: Path) -> None:
+    """A campaign resumed in `out` runs on the model, device and agents it started with."""
+    try:
+        before = json.loads((out / "campaign.json").read_text()).get("config") or {}
+    except (OSError, ValueError):
+        return
+    keys = ("agent", "profile", "model", "shrink", "device") if not cfg.engines else ("agent", "profile")
+    now = dataclasses.asdict(cfg)
+    diff = [f"{k} {before[k]!r} -> {now[k]!r}" for k in keys if k in before and before[k] != now[k]]
+    if diff:
+        raise ValueError(f"{out} holds a campaign with other settings ({'; '.join(diff)}): resume it with its "
+                         f"own, or give another --out")
+
+
 def run_campaign(cfg: CampaignConfig) -> dict:
     """Run (or resume) a campaign; returns {"report": ..., "paths": ..., "exit": code}."""
     from engine_server.ledger import Ledger
     from tkcc_mcp import launch
 
-    if cfg.agent not in AGENT_KINDS:
-        raise SystemExit(f"tkcc campaign: --agent must be one of {AGENT_KINDS}")
-    if cfg.agent != "search":
-        from tkcc_mcp.agents.profiles import load_profile
-        load_profile(cfg.profile)  # fail now on a bad profile, not in every agent
+    check(cfg)
     out = Path(cfg.out).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    _same_campaign(cfg, out)
     (out / "agents").mkdir(parents=True, exist_ok=True)
     lock = open(out / "campaign.lock", "a")
     try:
@@ -391,7 +431,8 @@ def run_campaign(cfg: CampaignConfig) -> dict:
         specs = [AgentSpec(aid, i, cfg.agent, cfg.profile, engines.refs[i % len(engines.refs)] if engines.refs
                            else None, out / "agents" / aid, r) for i, (aid, r) in enumerate(zip(ids, resumes))]
         state.begin(dataclasses.asdict(cfg) | {"agent_ids": ids},
-                    {"urls": [r.url for r in engines.refs], "ledger": ledgers[0] if len(ledgers) == 1 else ledgers,
+                    {"urls": [r.url for r in engines.refs], "device": engines.device if engines.refs else None,
+                     "ledger": ledgers[0] if len(ledgers) == 1 else ledgers,
                      "home": engines.home or (str(out / "engine") if not cfg.engines else None)})
         ledger = MultiLedger(ledgers)
         if engines.refs and not (remaining <= 0 or capped):
@@ -421,9 +462,23 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+STATUS_WORDS = {"exhausted": "tried every combination of its moves", "done": "ran to the budget or its limit",
+                "no-family": "found no model family it knows", "error": "failed (see report.md)"}
+
+
+def stop_line(rep: dict) -> str:
+    """How the agents ended, and whether the campaign ended before its budget because they all had."""
+    counts = collections.Counter(r.get("status") or "unknown" for r in rep["agents"])
+    said = "; ".join(f"{n} {s} ({STATUS_WORDS[s]})" if s in STATUS_WORDS else f"{n} {s}" for s, n in counts.items())
+    budget = rep.get("budget_s") or 0
+    early = budget and rep["spent_s"] < 0.95 * budget and not rep.get("interrupted")
+    return f"agents: {said}" + (f"; every agent stopped before the {budget:.0f} s budget" if early else "")
+
+
 def print_summary(rep: dict, paths: dict) -> None:
     lines = ["", rep["verdict"], ""] + leaderboard_lines(rep) + [
         "", f"experiments: {rep['experiments']} ({rep['experiments_per_hour']:.0f}/h), spent {rep['spent_s']:.0f} s",
+        stop_line(rep),
         f"report: {paths['report_md']} (and report.json)", f"plot:   {paths['plot']}",
         f"best:   {paths['best'][0] if paths['best'] else '(none)'}", f"ledger: {rep['engine'].get('ledger')}"]
     print("\n".join(lines), flush=True)
@@ -475,6 +530,8 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     os.environ.setdefault("TKCC_LOG_LEVEL", "WARNING")
+    from engine_server.log import configure
+    configure()  # loggers made at import read the level before it was set here
     return guarded(lambda: run_campaign(config_from_args(args))["exit"])
 
 

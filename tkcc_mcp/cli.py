@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from engine_server.config import EngineConfig
 
@@ -14,7 +15,11 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if cls is EngineConfig and f.name == "shrink":  # None: chosen for the device (config_from)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help="a CPU-sized copy of the model's config (default: on for a preset or "
+                                "config.json on the CPU, off on CUDA and for a model directory)")
+        elif f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
@@ -22,10 +27,30 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
 
 
 def config_from(args, cls):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    if cls is EngineConfig and kw.get("shrink") is None:
+        from tkcc_mcp.launch import default_shrink
+        kw["shrink"] = default_shrink(kw.get("model", ""), kw.get("device", "cpu"))
+    return cls(**kw)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. An expected failure (a missing file, a bad setting, no GPU) is one line on
+    stderr and exit status 1; TKCC_DEBUG=1 shows its traceback."""
+    import os
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a command line says what went wrong in a line
+        if os.environ.get("TKCC_DEBUG"):
+            raise
+        print(f"tkcc: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tkcc", description="continual compilation for LLM inference")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -40,14 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--home", default=None, help="state directory (default $TKCC_HOME or ~/.tkcc)")
     st.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
 
-    led = sub.add_parser("ledger", help="candidates, calls and events of an engine")
+    led = sub.add_parser("ledger", help="candidates, calls and events of an engine",
+                         description="list: the candidates with their best fast-tier speedup and exactness "
+                                     "(--agent filters); show ID: one candidate, its calls and events, as JSON; "
+                                     "export: a whole table (--table, --format, --agent filters).")
     led.add_argument("action", choices=["list", "show", "export"])
     led.add_argument("target", nargs="?", help="show: a candidate id")
-    led.add_argument("--home", default=None)
-    led.add_argument("--db", default=None, help="ledger file (default: $TKCC_HOME/ledger.db)")
-    led.add_argument("--format", choices=["json", "csv"], default="json")
-    led.add_argument("--table", choices=["calls", "candidates", "events"], default="calls")
-    led.add_argument("--agent", default=None)
+    led.add_argument("--home", default=None, help="the engine's state directory (default $TKCC_HOME or ~/.tkcc)")
+    led.add_argument("--db", default=None, help="ledger file (default: HOME/ledger.db)")
+    led.add_argument("--format", choices=["json", "csv"], default=None, help="export: json (default) or csv")
+    led.add_argument("--table", choices=["calls", "candidates", "events"], default=None,
+                     help="export: which table (default calls)")
+    led.add_argument("--agent", default=None, help="list, export: only this agent's rows")
 
     snap = sub.add_parser("snapshot", help="source snapshots agents read")
     snap.add_argument("action", choices=["regenerate", "check"])
@@ -68,16 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     mc.add_argument("--device", default=None, help="for an engine this starts (default: cuda if available)")
     mc.add_argument("--start-timeout-s", type=float, default=900.0, help="wait this long for it to start")
 
-    from tkcc_mcp import ablate, campaign
+    from engine_server import drift, serving
+    from tkcc_mcp import ablate, campaign, replay
     campaign.add_parser(sub)
     ablate.add_parser(sub)
-    from engine_server import drift, serving
-    from tkcc_mcp import replay
     serving.add_parser(sub, add_dataclass_args)
     drift.add_parser(sub, add_dataclass_args)
     replay.add_parser(sub)
 
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args) -> int:
+    from tkcc_mcp import ablate, campaign, replay
+    from engine_server import drift, serving
     if args.cmd == "engine" and args.engine_cmd == "selfcheck":
         from engine_server.selfcheck import run
         run(config_from(args, EngineConfig))
@@ -121,7 +154,18 @@ def ledger_command(args) -> int:
     from engine_server.client import state_dir
     from engine_server.ledger import Ledger, format_table
 
-    db = args.db or state_dir(args.home) / "ledger.db"
+    db = Path(args.db) if args.db else state_dir(args.home) / "ledger.db"
+    if not db.is_file():
+        print(f"tkcc ledger: no ledger at {db} (an engine writes one in its home: --home DIR or --db FILE)",
+              file=sys.stderr)
+        return 1
+    wrong = [flag for flag, given, where in (("ID", args.target, ("show",)), ("--format", args.format, ("export",)),
+                                              ("--table", args.table, ("export",)),
+                                              ("--agent", args.agent, ("list", "export")))
+             if given is not None and args.action not in where]
+    if wrong:
+        print(f"tkcc ledger {args.action}: {', '.join(wrong)} does not apply (see tkcc ledger --help)", file=sys.stderr)
+        return 2
     led = Ledger(db)
     if args.action == "list":
         rows = led.candidates(agent_id=args.agent)
@@ -144,7 +188,7 @@ def ledger_command(args) -> int:
         c["events"] = led.events(candidate_id=args.target)
         print(_json.dumps(c, indent=2, default=str))
         return 0
-    led.export(args.format, args.table, sys.stdout)
+    led.export(args.format or "json", args.table or "calls", sys.stdout, agent_id=args.agent)
     return 0
 
 

@@ -73,6 +73,11 @@ class ContinualConfig:
     baseline_steps: int = 256  # the previous pass's most recent decode steps the canary compares with
     workdir: str = ""  # default <home>/continual
 
+    def __post_init__(self):
+        from tkcc_mcp.campaign import AGENT_KINDS
+        if self.campaign_agent not in AGENT_KINDS:  # it reaches `tkcc campaign` only at the first drift
+            raise ValueError(f"--campaign-agent {self.campaign_agent!r}: one of {AGENT_KINDS}")
+
 
 # ---- pure decisions ------------------------------------------------------------------------------
 

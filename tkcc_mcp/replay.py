@@ -252,6 +252,10 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    if args.speed <= 0 or (args.limit is not None and args.limit < 1):
+        raise ValueError(f"--speed must be above 0 and --limit at least 1 (got {args.speed:g}, {args.limit})")
+    if args.out and not Path(args.out).resolve().parent.is_dir():  # before the replay, not after it
+        raise ValueError(f"--out {args.out}: its directory does not exist")
     trace = traffic.read_trace(args.trace, args.limit)
     rep = replay(args.url, trace, args.speed, args.model, args.max_prompt, args.max_output, args.tokenizer,
                  args.timeout, args.ignore_eos, args.api_key)

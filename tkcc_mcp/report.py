@@ -313,10 +313,11 @@ def table(rows: list[list], head: list[str]) -> str:
 
 def markdown(rep: dict) -> str:
     cfg = rep.get("config", {})
+    device = rep.get("engine", {}).get("device") or cfg.get("device") or "-"  # the engine's, as it ran
     L = [f"# tkcc campaign report: {Path(rep['out']).name}", "",
          f"**{rep['verdict']}**", "",
          f"- agent: `{cfg.get('agent')}`, profile: `{cfg.get('profile')}`, agents: {cfg.get('agents')}, "
-         f"model: `{cfg.get('model')}`{' (shrunk)' if cfg.get('shrink') else ''}, device: `{cfg.get('device')}`",
+         f"model: `{cfg.get('model')}`{' (shrunk)' if cfg.get('shrink') else ''}, device: `{device}`",
          f"- budget {_fmt(rep.get('budget_s'), 0)} s, spent {_fmt(rep['spent_s'], 1)} s over {rep['runs']} run(s)"
          f"{' (interrupted)' if rep.get('interrupted') else ''}; {rep['experiments']} experiments "
          f"({_fmt(rep['experiments_per_hour'], 1)} per hour); {rep['tokens']} tokens",

@@ -5,7 +5,7 @@
 
 One server per agent, stateless apart from its agent id, which every engine call carries
 as the `X-Agent-Id` header so the ledger records who asked. The tools are the engine's RPC
-methods of the same names (DESIGN.md): `read_engine_source`, `submit_forward_pass`,
+methods of the same names: `read_engine_source`, `submit_forward_pass`,
 `measure_fast`, `measure_full`, `check_bit_exact`, plus `leaderboard`, `candidate_source`
 and `traffic_profile`. Each returns a pydantic model: structured output, and the same JSON
 as text (Claude Code shows the agent the structured output).
