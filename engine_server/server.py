@@ -121,8 +121,7 @@ class Worker:
                 raise WorkerFailure("tampered", f"the worker wrote a reply nobody asked for during {what} "
                                                 f"(not this call's id and nonce): code running in the worker "
                                                 f"writes to the engine's reply channel; the worker was killed")
-            if msg.get("fatal"):
-                self.proc.wait(timeout=30)
+            if msg.get("fatal"):  # the worker exits after this line; the restart kills what is left
                 raise WorkerFailure("internal", f"the engine failed in {what}: {msg.get('error')} "
                                                 f"(traceback in {self.log_path})")
             return msg

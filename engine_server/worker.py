@@ -68,8 +68,9 @@ def main(argv: list[str]) -> int:
                 fatal = True
         # the call's nonce: a reply line anything else in this process writes cannot carry it
         proto.write(json.dumps({"id": req.get("id"), "nonce": req.get("nonce"), **resp}, default=str) + "\n")
-        if fatal:
-            return 1  # the supervisor restarts the worker: nothing half-done carries into the next call
+        if fatal:  # the supervisor restarts the worker: nothing half-done carries into the next call
+            proto.flush()
+            os._exit(1)  # now: a thread a candidate left running must not hold the exit up
     return 0
 
 

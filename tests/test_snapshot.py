@@ -5,23 +5,25 @@ def test_snapshot_is_up_to_date():
     assert snapshot.stale() == [], "run `tkcc snapshot regenerate`"
 
 
-def test_links_leaving_the_snapshot_are_refused(tmp_path):
+def snapshot_with_outside_link(tmp_path, link: str):
+    """A snapshot holding ok.py (three lines) and `link`, a link to a file beside the snapshot."""
     root = tmp_path / "snap"
     root.mkdir()
-    (root / "ok.py").write_text("x = 1\n")
+    (root / "ok.py").write_text("a = 1\nb = 2\nc = 3\n")
     (tmp_path / "secret.py").write_text("token = 1\n")
-    (root / "link.py").symlink_to(tmp_path / "secret.py")
+    (root / link).symlink_to(tmp_path / "secret.py")
+    return root
+
+
+def test_links_leaving_the_snapshot_are_refused(tmp_path):
+    root = snapshot_with_outside_link(tmp_path, "link.py")
     assert snapshot.read(root, "ok.py")["ok"]
     assert not snapshot.read(root, "link.py")["ok"]
     assert "leaves" in snapshot.read(root, "link.py")["error"]
 
 
 def test_unreadable_entries_are_errors_and_stay_out_of_the_listing(tmp_path):
-    root = tmp_path / "snap"
-    root.mkdir()
-    (root / "ok.py").write_text("a = 1\nb = 2\nc = 3\n")
-    (tmp_path / "secret.py").write_text("token = 1\n")
-    (root / "out.py").symlink_to(tmp_path / "secret.py")
+    root = snapshot_with_outside_link(tmp_path, "out.py")
     (root / "dangling.py").symlink_to(root / "gone.py")
     (root / "loop.py").symlink_to(root / "loop.py")
     (root / "latin1.py").write_bytes(b"x = '\xe9'\n")
