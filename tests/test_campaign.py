@@ -151,3 +151,22 @@ def test_summary_says_how_the_agents_ended():
     rep = {"agents": [{"status": "done"}, {"status": "killed"}], "budget_s": 60, "spent_s": 60.4}
     assert stop_line(rep) == "agents: 1 done (ran to the budget or its limit); 1 killed"
     assert "before" not in stop_line({**rep, "spent_s": 10.0, "interrupted": True})
+
+
+def test_campaigns_sharing_an_engine_keep_their_own_agents(tmp_path):
+    """A new campaign on an engine whose agent ids another campaign used takes its --out's name as
+    a prefix (it neither resumes nor counts the other's experiments); a resumed one keeps its ids."""
+    from tkcc_mcp.campaign import CampaignConfig, run_campaign
+    proc, info = launch.start_engine(tmp_path / "eng", "llama-3.2-1b", shrink=True, device="cpu")
+    try:
+        def go(name):
+            return run_campaign(CampaignConfig(agent="search", budget_s=60, max_experiments=2,
+                                               engines=[str(tmp_path / "eng")], out=str(tmp_path / name), confirm=0,
+                                               quiet=True, print_summary=False))["report"]
+        a, b = go("a"), go("b")
+        assert [r["agent_id"] for r in a["agents"]] == ["search-expert-0"] and a["experiments"] == 2
+        assert [r["agent_id"] for r in b["agents"]] == ["b.search-expert-0"] and b["experiments"] == 2
+        again = go("a")  # resumed: its cap is reached, its ids and experiments are its own
+        assert [r["agent_id"] for r in again["agents"]] == ["search-expert-0"] and again["experiments"] == 2
+    finally:
+        launch.stop_engine(info["pid"])

@@ -390,6 +390,20 @@ def _same_campaign(cfg: CampaignConfig, out: Path) -> None:
                          f"own, or give another --out")
 
 
+def _own_ids(cfg: CampaignConfig, out: Path, state: State, ledgers: list[str]) -> tuple[CampaignConfig, list[str]]:
+    """Agent ids on shared engines: a campaign resumed in `out` keeps the ids it began with; a new
+    one whose ids another campaign already used on these engines takes `out`'s name as a prefix,
+    so it neither resumes nor counts that campaign's experiments."""
+    from engine_server.ledger import Ledger
+    if state.d.get("config"):
+        cfg = dataclasses.replace(cfg, id_prefix=state.d["config"].get("id_prefix", cfg.id_prefix))
+    elif any(Ledger(ledgers[i % len(ledgers)]).calls(agent_id=aid, limit=1) for i, aid in enumerate(agent_ids(cfg))):
+        cfg = dataclasses.replace(cfg, id_prefix=f"{out.name}.{cfg.id_prefix}")
+        say(cfg, f"campaign: these engines have run agents {agent_ids(cfg)[0].removeprefix(out.name + '.')}... "
+                 f"before; this campaign's are {', '.join(agent_ids(cfg))}")
+    return cfg, agent_ids(cfg)
+
+
 def run_campaign(cfg: CampaignConfig) -> dict:
     """Run (or resume) a campaign; returns {"report": ..., "paths": ..., "exit": code}."""
     from engine_server.ledger import Ledger
@@ -415,6 +429,7 @@ def run_campaign(cfg: CampaignConfig) -> dict:
         if cfg.engines:
             engines = resolve_engines(cfg, out)
             ledgers = engines.ledgers
+            cfg, ids = _own_ids(cfg, out, state, ledgers)
         else:  # our own engine's ledger: readable before (or without) the engine
             (out / "engine").mkdir(exist_ok=True)
             ledgers = [str(out / "engine" / "ledger.db")]

@@ -10,7 +10,24 @@ from pathlib import Path
 from engine_server.config import EngineConfig
 
 
+def field_help(cls) -> dict[str, str]:
+    """Each field's comment in the class's source, continuation lines joined: the --help text
+    comes from where the field is defined."""
+    import inspect
+    import re
+    out, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if m := re.match(r"    (\w+): [^=]+=.*?  # (.*)$", line):
+            out[m[1]], last = m[2], m[1]
+        elif re.match(r"    (\w+):", line):
+            last = None
+        elif (m := re.match(r"    # (.*)$", line)) and last:
+            out[last] += " " + m[1]
+    return out
+
+
 def add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    said = field_help(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -19,11 +36,13 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help="a CPU-sized copy of the model's config (default: on for a preset or "
                                 "config.json on the CPU, off on CUDA and for a model directory)")
-        elif f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            p.add_argument(flag, type=typ, default=f.default, help=f"(default: {f.default!r})")
+            text = (said.get(f.name, "") + f" (default: {f.default!r})").strip().replace("%", "%%")
+            if f.type in ("bool", bool):
+                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+                p.add_argument(flag, type=typ, default=f.default, help=text)
 
 
 def config_from(args, cls):
