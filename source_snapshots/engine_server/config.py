@@ -82,11 +82,11 @@ class ModelConfig:
 class EngineConfig:
     """Every field is a CLI flag of `tkcc engine ...` (underscores become dashes).
     Zero means "pick for the device" (CPU values keep a tiny model's calls to seconds)."""
-    model: str = "llama-3.2-1b"
-    shrink: bool = False
-    device: str = "cpu"
+    model: str = "llama-3.2-1b"  # a preset (engine_server/presets), a config.json, or a local HF model directory
+    shrink: bool = False  # a CPU-sized copy of the model's config, same architecture (random weights)
+    device: str = "cpu"  # cpu, cuda or cuda:N
     dtype: str = ""  # default: bfloat16 on CUDA, float32 on the CPU
-    seed: int = 0
+    seed: int = 0  # random weights' seed (when the model brings none)
     traffic: str = ""  # trace file; default: the packaged Azure LLM code trace
     max_batch: int = 8
     max_seq: int = 0  # KV cache positions per slot (CPU 512, CUDA 4096)
@@ -108,15 +108,15 @@ class EngineConfig:
     full_max_output: int = 0  # cap on output tokens (CPU 8, CUDA 64)
     full_reps: int = 4  # timed replays per side, after one warm-up each (even: orders balance)
     trace_speed: float = 1.0  # arrivals compressed by this factor in the full tier
-    exact_rows: int = 4
-    exact_steps: int = 8
-    exact_max_prompt: int = 0  # CPU 48, CUDA 512
+    exact_rows: int = 4  # rows the exactness check prefills and decodes together
+    exact_steps: int = 8  # greedy decode steps the exactness check compares
+    exact_max_prompt: int = 0  # cap on its prompts' tokens (CPU 48, CUDA 512)
     noise_scale: float = 100.0  # unused KV cells hold N(0, noise_scale) in exactness checks
     prepare_budget_mb: float = 0.0  # default: the weights' size + 256 MiB
     call_timeout_s: float = 600.0  # per call, in-process: ends Python-level hangs without a restart
     worker_grace_s: float = 30.0  # the server kills the worker at call_timeout_s + this
     implausible_speedup: float = 50.0  # flagged when above, even if the checks pass
-    capture_graphs: bool = True
+    capture_graphs: bool = True  # CUDA: each candidate's decode steps captured as CUDA graphs
     cpu_threads: int = 1  # torch threads on the CPU (0: torch's default); tiny models gain nothing from more
     cpu_keep_heap: bool = True  # CPU: the process's freed memory stays in its heap and large blocks come from
     # it (glibc mallopt: engine_server.heap), so a step's temporaries stop page-faulting afresh every step
