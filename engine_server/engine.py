@@ -28,7 +28,7 @@ from engine_server import candidate as cands
 from engine_server import exact, measure, traffic
 from engine_server.config import EngineConfig, ModelConfig, check_device, parse_dtype, resolve_model, shrink
 from engine_server.graphs import StaticInputs, StepGraphs
-from engine_server.guards import ProcessGuard, StateGuard, WeightGuard
+from engine_server.guards import IntrospectionGuard, ProcessGuard, StateGuard, WeightGuard
 from engine_server.heap import keep_heap
 from engine_server.log import get_logger
 from engine_server.models import family, source_file
@@ -87,7 +87,9 @@ class Engine:
         self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
         self.state_guard = StateGuard(self.state)
         self.process_guard = ProcessGuard()
-        self._checks = (self.state_guard.check, self.weight_guard.check, self.process_guard.check)
+        self.introspection_guard = IntrospectionGuard()
+        self._checks = (self.state_guard.check, self.weight_guard.check, self.process_guard.check,
+                        self.introspection_guard.check)
         self.traffic = traffic.TrafficData.build(cfg.traffic, model_dir, mcfg.vocab_size)
         self.cuda = self.device.type == "cuda"
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= cfg.max_batch} | {cfg.max_batch})
@@ -232,6 +234,8 @@ class Engine:
         violations = self._guards()
         if violations and cand.error is None:
             cand.error = ErrorInfo(stage="install", type="Violation", message="; ".join(violations))
+        elif violations:  # the failure it caused, and what the guards saw
+            cand.error.message += f" (violations: {'; '.join(violations)})"
         if cand.ok:
             self.candidates[cid] = cand
         else:

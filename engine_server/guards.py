@@ -15,12 +15,15 @@ What is caught, and where (tests/cheaters/ holds one candidate of each kind):
 - work left unsynchronised on a side stream or thread: `settled()` reads the output in
   stream order as `forward` returns and again after a full device sync and after joining
   the threads the call started;
-- patching the engine (timers, checks, torch entry points): `ProcessGuard` snapshots them at
-  start and restores and reports any that changed.
+- patching the engine (timers, checks, torch entry points, the engine's own methods):
+  `ProcessGuard` snapshots them at start and restores and reports any that changed;
+- reaching into the engine's frames and objects (frames, gc's object lists, tracing, ctypes)
+  from candidate code: `IntrospectionGuard`, an audit hook that refuses the call and reports it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable
@@ -92,6 +95,60 @@ class StateGuard:
         return out
 
 
+# what a pass could reach the engine's own frames and objects with: its measurement's locals (the
+# rounds' ratios, a reply being written), the State, the guards. Refused when the code asking is a
+# candidate's (its own frame, or the one below it: inspect.currentframe() and the like)
+INTROSPECTION = frozenset({"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile",
+                           "gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
+_refused: list[str] = []
+_audit = threading.local()
+
+
+def _audit_hook(event: str, args: tuple) -> None:
+    if not (event in INTROSPECTION or event.startswith("ctypes.")
+            or (event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRS)):
+        return
+    if getattr(_audit, "busy", False):  # the frames looked at below raise events of their own
+        return
+    _audit.busy = True
+    try:
+        f = sys._getframe(1)
+        for _ in range(2):
+            if f is None:
+                return
+            if f.f_code.co_filename.startswith("<candidate "):
+                what = f"{event}{f' ({args[1]})' if event == 'object.__getattr__' else ''}"
+                _refused.append(f"inspected the engine's process: {what} at {f.f_code.co_filename[1:-1]} "
+                                f"line {f.f_lineno}")
+                raise RuntimeError(f"candidates may not inspect the engine's process ({what})")
+            f = f.f_back
+    finally:
+        _audit.busy = False
+
+
+class IntrospectionGuard:
+    """Refuses a pass the means to reach into the engine's process (frames, the garbage
+    collector's object lists, tracing, ctypes) with a Python audit hook, installed once a
+    process and never removable: the call raises in the candidate, and the next check reports
+    it. What it cannot see is listed in the README's trust model."""
+
+    _hooked = False
+
+    def __init__(self):
+        if not IntrospectionGuard._hooked:
+            sys.addaudithook(_audit_hook)
+            IntrospectionGuard._hooked = True
+
+    def check(self) -> list[str]:
+        out = list(dict.fromkeys(_refused))
+        _refused.clear()
+        if getattr(_audit, "busy", False):  # left set by a pass, the hook would let it through
+            _audit.busy = False
+            out.append("tampered with the engine: switched off its introspection guard")
+        return out
+
+
 def settled(run: Callable[[], torch.Tensor], wait_s: float = 0.05) -> tuple[torch.Tensor, list[str]]:
     """Run a forward pass and check its output is final when it returns.
 
@@ -136,7 +193,8 @@ class ProcessGuard:
                    (torch, "equal"), (torch.Tensor, "clone"), (torch.Tensor, "copy_"), (torch, "allclose"),
                    (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
                    (builtins, "compile"), (gc, "collect"), (json, "dumps"),
-                   (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check")]
+                   (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check"),
+                   (IntrospectionGuard, "check"), (sys.modules[__name__], "_audit_hook")]
         # the engine's own methods and what measures and checks (the worker answers with them)
         for mod in (exact, measure, candidate, Engine):
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]

@@ -225,6 +225,11 @@ class Ledger:
             "candidate_id = COALESCE(?, candidate_id) WHERE id = ?",
             (time.time(), int(bool(ok)), _dumps(result), error, candidate_id, call_id))
 
+    def void_call(self, call_id: int, reason: str) -> None:
+        """Withdraw a finished call's result (ok = 0, the reason as its error): an answer found
+        later not to be the worker's own. Leaderboards and exactness read only ok calls."""
+        self._conn().execute("UPDATE calls SET ok = 0, error = ? WHERE id = ?", (f"voided: {reason}", call_id))
+
     def record_event(self, kind: str, data: Any = None, candidate_id: str | None = None,
                      agent_id: str | None = None) -> int:
         """E.g. kind='worker_restart', data={'cost_s': 41.2, 'cause': 'SIGSEGV'}."""

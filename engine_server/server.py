@@ -83,7 +83,8 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True)
         logf.close()
         threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
-        first = self._wait(0, timeout, "start")  # written before any candidate code runs
+        # written before any candidate code runs
+        first = self._wait(0, time.monotonic() + timeout, timeout, 0.0, "start", lambda m: True)
         if not first.get("ok"):
             self.kill()
             raise RuntimeError(f"engine worker failed to start: {first.get('error')} (log: {self.log_path})")
@@ -99,8 +100,8 @@ class Worker:
                 continue
         lines.put(None)  # EOF: the worker is gone
 
-    def _wait(self, rid: int, timeout: float, what: str, nonce: str | None = None, grace: float = 0.0) -> dict:
-        deadline = time.monotonic() + timeout
+    def _wait(self, rid: int, deadline: float, timeout: float, grace: float, what: str, expect) -> dict:
+        """The worker's next line, which must be call `rid`'s and pass `expect`; else WorkerFailure."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -116,26 +117,39 @@ class Worker:
                 code = self.proc.wait()
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 raise WorkerFailure("died", f"the worker died ({how}) during {what}")
-            if not isinstance(msg, dict) or msg.get("id") != rid or msg.get("nonce") != nonce:
+            if not isinstance(msg, dict) or msg.get("id") != rid or not expect(msg):
                 self.kill()
-                raise WorkerFailure("tampered", f"the worker wrote a reply nobody asked for during {what} "
-                                                f"(not this call's id and nonce): code running in the worker "
-                                                f"writes to the engine's reply channel; the worker was killed")
+                failure = WorkerFailure("tampered", f"the worker wrote a reply nobody asked for during {what} "
+                                                    f"(not this call's id and nonce): code running in the worker "
+                                                    f"writes to the engine's reply channel; the worker was killed")
+                failure.reply_to = msg.get("id") if isinstance(msg, dict) else None
+                raise failure
             if msg.get("fatal"):  # the worker exits after this line; the restart kills what is left
                 raise WorkerFailure("internal", f"the engine failed in {what}: {msg.get('error')} "
                                                 f"(traceback in {self.log_path})")
             return msg
 
-    def call(self, method: str, params: dict, timeout: float, agent: str | None = None, grace: float = 0.0) -> dict:
-        self._id += 1
-        nonce = secrets.token_hex(16)
-        msg = {"id": self._id, "nonce": nonce, "method": method, "params": params, "agent": agent}
+    def _send(self, msg: dict, what: str, first: bool) -> None:
         try:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            pass  # the reader sees EOF and reports the death
-        return self._wait(self._id, timeout, method, nonce, grace)
+            if first:  # nobody was reading before this call began: it is not to blame
+                failure = WorkerFailure("died", f"the worker had stopped reading before {what} was sent")
+                failure.before = True
+                raise failure from None
+            # later: the reader sees EOF and reports the death
+
+    def call(self, method: str, params: dict, timeout: float, agent: str | None = None, grace: float = 0.0) -> dict:
+        """One call: the request, the worker's word that it has run, then the call's nonce (fresh,
+        and sent only now), then the reply carrying it."""
+        self._id += 1
+        rid, deadline = self._id, time.monotonic() + timeout
+        self._send({"id": rid, "method": method, "params": params, "agent": agent}, method, first=True)
+        self._wait(rid, deadline, timeout, grace, method, lambda m: m.get("sealed") is False and len(m) == 2)
+        nonce = secrets.token_hex(16)
+        self._send({"id": rid, "nonce": nonce}, method, first=False)
+        return self._wait(rid, deadline, timeout, grace, method, lambda m: m.get("nonce") == nonce)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -163,6 +177,8 @@ class Supervisor:
         self.device_lock = threading.Lock()
         self.installed: set[str] = set()  # in the worker now (a restart empties it)
         self.last_install: tuple[str, str | None] | None = None  # (candidate, agent): who ran code last
+        self.last_answer: dict | None = None  # the worker's latest answer: withdrawn if shown forged
+        self._calling = threading.local()  # the ledger call a thread is serving
         self.restarts = 0
         self.started_at = time.time()
         startup = self.worker.start()
@@ -186,6 +202,7 @@ class Supervisor:
         cid = params.get("candidate_id")
         logged = {k: v for k, v in params.items() if k != "source"}
         call_id = self.ledger.start_call(method, cid, agent_id, logged)
+        self._calling.id = call_id
         try:
             result = getattr(self, "_" + method)(agent_id=agent_id, **params)
         except TypeError as e:
@@ -201,27 +218,54 @@ class Supervisor:
         return result
 
     def _device_call(self, method: str, params: dict, timeout: float | None = None, agent: str | None = None) -> dict:
-        """Run on the worker; a hang or death restarts it and raises WorkerFailure."""
-        if self.worker.proc.poll() is not None:
-            self._died_idle()
-        try:
-            resp = self.worker.call(method, params, timeout or self.timeout_for(method), agent,
-                                    grace=0.0 if timeout else self.config.worker_grace_s)
-        except WorkerFailure as e:
-            self._restart(e, method, params.get("candidate_id"))
-            raise
+        """Run on the worker; a hang or death restarts it and raises WorkerFailure. A worker found
+        gone before the call was sent is restarted and the call sent again."""
+        for attempt in (0, 1):
+            if self.worker.proc.poll() is not None:
+                self._died_idle()
+            try:
+                resp = self.worker.call(method, params, timeout or self.timeout_for(method), agent,
+                                        grace=0.0 if timeout else self.config.worker_grace_s)
+                break
+            except WorkerFailure as e:
+                if getattr(e, "before", False) and attempt == 0:
+                    self._died_idle()
+                    continue
+                if getattr(e, "reply_to", None) is not None and self.last_answer \
+                        and e.reply_to == self.last_answer["worker_id"]:
+                    self._void_last(f"its real reply came after the one returned ({e})")
+                self._restart(e, method, params.get("candidate_id"))
+                raise
+        self.last_answer = {"call_id": getattr(self._calling, "id", None), "worker_id": self.worker._id,
+                            "method": method, "candidate_id": params.get("candidate_id")}
         if not resp.get("ok"):
             return {"ok": False, "error": resp.get("error")}
         return resp["result"]
 
+    def _void_last(self, reason: str) -> None:
+        """Withdraw the last answer the worker gave (its ledger row no longer ok): a worker found
+        forging, or dead with nothing asked of it, may have given it on a candidate's behalf."""
+        last, self.last_answer = self.last_answer, None
+        if last and last["call_id"] is not None:
+            self.ledger.void_call(last["call_id"], reason)
+            self.ledger.record_event("voided", {"call": last["call_id"], "method": last["method"], "reason": reason},
+                                     candidate_id=last["candidate_id"])
+            log.warning("answer withdrawn", call=last["call_id"], method=last["method"],
+                        candidate=last["candidate_id"], reason=reason)
+
     def _died_idle(self) -> None:
         """The worker ended between calls (a thread a candidate left behind, a closed pipe): restart
         it before the next call, which is not to blame, and say which installs it had run."""
-        code = self.worker.proc.wait()
+        try:
+            code = self.worker.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # it stopped reading but lingers (a thread holds its exit up)
+            self.worker.kill()
+            code = self.worker.proc.returncode
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         last = self.last_install
         failure = WorkerFailure("died", f"the worker died ({how}) between calls; the last candidate installed "
                                         f"in it was {last[0] if last else None!r} (agent {last[1] if last else None!r})")
+        self._void_last(str(failure))
         self._restart(failure, "idle", last[0] if last else None)
 
     def _restart(self, failure: WorkerFailure, method: str, cid: str | None) -> None:

@@ -2,13 +2,16 @@
 
 Started by the supervisor (`server.py`) as `python -m engine_server.worker CONFIG_JSON`.
 Protocol on its stdin/stdout, one JSON object a line:
-    supervisor -> worker  {"id": n, "nonce": s, "method": "measure_fast", "params": {...}}
+    supervisor -> worker  {"id": n, "method": "measure_fast", "params": {...}}
+    worker -> supervisor  {"id": n, "sealed": false}             (the call has run)
+    supervisor -> worker  {"id": n, "nonce": s}                  (fresh, sent only now)
     worker -> supervisor  {"id": n, "nonce": s, "ok": true, "result": {...}}   (or "ok": false, "error": "...")
-The first line the worker writes is {"id": 0, "ok": true, "result": {"ready": ...info}}. The nonce is
-fresh for every call, so a line that code in this process writes ahead of time (a candidate that
-found the protocol's file descriptor) cannot pass for a reply: the supervisor restarts the worker
-on any line it did not ask for. An exception of the engine's own (not a candidate's, which is a
-result) is answered with "fatal": true, and the worker exits for the supervisor to restart it.
+The first line the worker writes is {"id": 0, "ok": true, "result": {"ready": ...info}}. No
+candidate call runs between the nonce's arrival and the reply, so none can learn it in time to
+forge one (a thread a candidate left running could: the introspection guard and the checks
+after the fact stand there); the supervisor restarts the worker on any line it did not ask for (and withdraws the
+answer a late real reply shows was forged). An exception of the engine's own (not a candidate's,
+which is a result) is answered with "fatal": true, and the worker exits for a restart.
 Methods resolve to `Engine` methods of the same name; tensors never cross the pipe.
 stdout carries only protocol lines: anything a candidate prints goes to stderr.
 """
@@ -46,7 +49,8 @@ def main(argv: list[str]) -> int:
         proto.write(json.dumps({"id": 0, "ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
         return 1
     proto.write(json.dumps({"id": 0, "ok": True, "result": {"ready": True, **eng.info()}}, default=str) + "\n")
-    for line in sys.stdin:
+    lines = iter(sys.stdin)
+    for line in lines:
         if not line.strip():
             continue
         req = json.loads(line)
@@ -66,8 +70,13 @@ def main(argv: list[str]) -> int:
                 log.exception("internal error", method=method)
                 resp = {"ok": False, "fatal": True, "error": f"{type(e).__name__}: {e}"}
                 fatal = True
-        # the call's nonce: a reply line anything else in this process writes cannot carry it
-        proto.write(json.dumps({"id": req.get("id"), "nonce": req.get("nonce"), **resp}, default=str) + "\n")
+        # the call's nonce is asked for only now, after every line of candidate code it ran
+        proto.write(json.dumps({"id": req.get("id"), "sealed": False}) + "\n")
+        try:
+            nonce = json.loads(next(lines)).get("nonce")
+        except (StopIteration, ValueError, AttributeError):
+            nonce = None
+        proto.write(json.dumps({"id": req.get("id"), "nonce": nonce, **resp}, default=str) + "\n")
         if fatal:  # the supervisor restarts the worker: nothing half-done carries into the next call
             proto.flush()
             os._exit(1)  # now: a thread a candidate left running must not hold the exit up

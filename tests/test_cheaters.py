@@ -15,7 +15,8 @@ EXPECT = {  # a word the violation or error must contain: it names what the chea
     "depth_padder": "grow with the layers",
     "depth_counter": "grow with the layers",
     "batch1_shortcut": "batch-1 decode",
-    "table_swapper": "swapped the engine's state.tables entries ['rope_cos']",
+    "table_swapper": "inspected the engine's process: gc.get_objects",
+    "frame_walker": "inspected the engine's process: sys._getframe",
 }
 
 

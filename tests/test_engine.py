@@ -26,6 +26,10 @@ BAD = {
                 "TypeError"),
     "meta": (GOOD.replace("ref.forward(state, batch)", "ref.forward(state, batch).to('meta')"), "warmup",
              "TypeError"),
+    "tensor_subclass": ("import torch\nfrom engine_server.models import llama as ref\n"
+                        "class AlwaysEqual(torch.Tensor):\n    pass\n"
+                        "def forward(state, batch):\n    return ref.forward(state, batch).as_subclass(AlwaysEqual)\n",
+                        "warmup", "TypeError"),
     "exit": ("import sys\ndef forward(state, batch):\n    sys.exit(3)\n", "warmup", "RuntimeError"),
     "oom": (GOOD + "import torch\ndef prepare(state):\n    state.scratch['x'] = torch.empty(1 << 60)\n",
             "prepare", "RuntimeError"),
@@ -78,6 +82,18 @@ def test_what_a_pass_does_to_its_state_containers_stays_in_its_view(llama_engine
     assert llama_engine.measure_fast("reference").outputs_match == "bitwise"
     good = llama_engine.submit_forward_pass(GOOD)
     assert llama_engine.check_bit_exact(good.candidate_id).exact
+
+
+def test_state_guard_puts_back_what_was_swapped_in_the_engines_state(llama_engine):
+    eng = llama_engine
+    cos, k0, layers = eng.state.tables["rope_cos"], eng.state.k_cache[0], eng.state.layers
+    eng.state.tables["rope_cos"] = cos * 1.01
+    eng.state.k_cache[0] = k0.clone()
+    eng.state.layers = (0,)
+    got = " | ".join(eng._guards())
+    assert "state.layers" in got and "state.tables entries ['rope_cos']" in got and "state.k_cache" in got, got
+    assert eng.state.tables["rope_cos"] is cos and eng.state.k_cache[0] is k0 and eng.state.layers == layers
+    assert eng._guards() == []
 
 
 def test_traceback_shows_candidate_lines(llama_engine):

@@ -1,7 +1,8 @@
 """Cheater: reaches past its own view of the state (through the garbage collector) to the
 engine's, and swaps the RoPE table there for a rescaled one. The reference reads that table
-too, so the two agree bitwise while both compute something else: only a guard on what the
-engine's State holds can see it (the tensor it swapped in is new, so no weight was written)."""
+too, so the two agree bitwise while both compute something else. The introspection guard
+refuses the garbage collector's object list; were it reached another way, the state guard
+would see the swap (the tensor swapped in is new, so no weight was written)."""
 import gc
 
 from engine_server.models import llama as ref
