@@ -64,21 +64,27 @@ def listing(root: Path) -> list[dict]:
 def resolve(root: Path, path: str) -> Path:
     """The file `path` names inside the snapshot, or SnapshotError saying why not."""
     if not path or path.startswith(("/", "\\")) or Path(path).is_absolute():
-        raise SnapshotError(f"path {path!r} must be relative to the snapshot")
+        raise SnapshotError(f"path {_short(path)} must be relative to the snapshot")
     if ".." in Path(path).parts:
-        raise SnapshotError(f"path {path!r} may not contain '..'")
+        raise SnapshotError(f"path {_short(path)} may not contain '..'")
     try:
         root = root.resolve()
         full = (root / path).resolve()  # follows links: one pointing outside is caught below
         if root != full and root not in full.parents:
-            raise SnapshotError(f"path {path!r} leaves the snapshot")
+            raise SnapshotError(f"path {_short(path)} leaves the snapshot")
         if not full.is_file():
-            raise SnapshotError(f"no file {path!r} in the snapshot; call with no path to list files")
+            raise SnapshotError(f"no file {_short(path)} in the snapshot; call with no path to list files")
     except (OSError, ValueError, RuntimeError) as e:  # NUL bytes, names too long, link loops
         if isinstance(e, SnapshotError):
             raise
-        raise SnapshotError(f"path {path!r} cannot be read: {type(e).__name__}: {e}") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(" from ")[0].split(":")[0]
+        raise SnapshotError(f"path {_short(path)} cannot be read: {type(e).__name__}: {why}") from None
     return full
+
+
+def _short(path: str) -> str:
+    """`path` for a message: quoted, at most 120 characters (no engine path is ever shown)."""
+    return repr(path) if len(path) <= 120 else repr(path[:100] + "...") + f" ({len(path)} characters)"
 
 
 def _text(full: Path) -> str:

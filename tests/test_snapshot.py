@@ -32,7 +32,7 @@ def test_unreadable_entries_are_errors_and_stay_out_of_the_listing(tmp_path):
     for bad in ("out.py", "dangling.py", "loop.py", "latin1.py", "ok\x00.py", "x" * 5000 + ".py",
                 "/".join(["d"] * 2000) + "/y.py"):
         r = snapshot.read(root, bad)
-        assert not r["ok"] and r["error"], bad
+        assert not r["ok"] and r["error"] and len(r["error"]) < 400 and str(tmp_path) not in r["error"], (bad, r)
     # line ranges: a range holding no line of the file is an error, not an empty page
     assert snapshot.read(root, "ok.py", 2, 3)["text"].split("\n")[0].strip().startswith("2")
     assert not snapshot.read(root, "ok.py", 3, 2)["ok"]
