@@ -63,11 +63,16 @@ class LedgerError(RuntimeError):
     """The ledger file cannot be used (not WAL-capable, or written by a newer schema)."""
 
 
+def json_number(v: float) -> float | str:
+    """A float as strict JSON has it: itself, or "nan"/"inf"/"-inf" (JSON has no such numbers)."""
+    return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+
+
 def strict_json(v: Any) -> Any:
-    """`v` as valid strict JSON: non-finite floats -> "nan"/"inf"/"-inf", non-str keys -> str
-    (the ledger's text and the engine's HTTP answers both)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    """`v` as valid strict JSON: non-finite floats as `json_number` writes them, non-str keys ->
+    str (the ledger's text and the engine's HTTP answers both)."""
+    if isinstance(v, float):
+        return json_number(v)
     if isinstance(v, dict):
         return {k if isinstance(k, str) else str(k): strict_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

@@ -7,7 +7,6 @@ cheats or is slower comes back as one of these with `ok`/`exact`/`valid` false a
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import sys
@@ -17,16 +16,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, PlainSerializer, WithJsonSchema
 
+from engine_server.ledger import json_number
+
 STAGES = ("parsed", "imported", "validated", "prepared", "warmed", "captured", "ready")
-
-
-def _json_number(v: float) -> float | str:
-    return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
 
 
 # a result's number: JSON has no NaN or infinity, so those travel as "nan"/"inf"/"-inf" (as the
 # ledger stores them; pydantic reads them back as floats), and the schema agents see says so
-Num = Annotated[float, PlainSerializer(_json_number, return_type=float | str, when_used="json"),
+Num = Annotated[float, PlainSerializer(json_number, return_type=float | str, when_used="json"),
                 WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": ["nan", "inf", "-inf"]}]})]
 
 
