@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|depth|tests
+#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|sync|depth|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -83,6 +83,9 @@ engine)
     ;;
 barrier)  # the cost of one grid barrier of the persistent example
     python3 benchmarks/barrier_bench.py --out "$OUT/barrier.json" 2>&1 | tee "$OUT/barrier.txt"
+    ;;
+sync)  # what a dependency between two kernels costs: stream order, PDL's wait, a polled counter
+    python3 benchmarks/sync_bench.py --out "$OUT/sync.json" 2>&1 | tee "$OUT/sync.txt"
     ;;
 depth)  # the fast tier's depth check: what its rounds cost and catch (REPS: decode,prefill settings)
     python3 benchmarks/depth_check_bench.py --device cuda --n "${N:-10}" --reps ${REPS:-5,3 3,3} \
