@@ -150,6 +150,10 @@ def test_tools_are_listed_and_source_is_read_only_inside_the_snapshot(engine, tm
             assert "parent 'c9999'" in await tool_error(s, "submit_forward_pass", source="x = 1\n", parent="c9999")
             assert "past the end" in await tool_error(s, "read_engine_source", path=ref, start_line=10 ** 6)
             assert "not a range" in await tool_error(s, "read_engine_source", path=ref, start_line=10, end_line=3)
+            # an argument no tool takes (a misspelt `mode`) is refused by name, never ignored
+            assert all(t.input_schema.get("additionalProperties") is False for t in tools.values())
+            why = await tool_error(s, "check_bit_exact", candidate_id="c9999", mod="tolerance")
+            assert "mod" in why and "Extra inputs are not permitted" in why
             return len(tools)
 
     anyio.run(go)

@@ -30,7 +30,7 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine_server.client import EngineClient, EngineUnavailable, state_dir
 from engine_server.log import get_logger
@@ -352,7 +352,20 @@ def build_server(locate: Locate, agent_id: str | None = None, warm: bool = True)
         times, and the full tier's replay settings. Instant. Optimise for these shapes."""
         return _as(TrafficProfile, await _link(ctx).call(ctx, "traffic_profile"))
 
+    _refuse_unknown_arguments(server)
     return server
+
+
+def _refuse_unknown_arguments(server: MCPServer) -> None:
+    """Every tool refuses an argument it does not take, naming it: a misspelt optional one
+    (`check_bit_exact(mod="tolerance")`) would otherwise run with its default unnoticed. Each
+    tool's argument model forbids extra fields and its input schema says so
+    (additionalProperties: false), for clients that check before they call."""
+    for tool in server._tool_manager.list_tools():
+        base = tool.fn_metadata.arg_model
+        config = ConfigDict(**{**base.model_config, "extra": "forbid"})
+        tool.fn_metadata.arg_model = type(base.__name__, (base,), {"model_config": config})
+        tool.parameters["additionalProperties"] = False
 
 
 # ---- entry point (`tkcc mcp`) ---------------------------------------------------------------
