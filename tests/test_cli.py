@@ -69,3 +69,18 @@ def test_debug_shows_the_traceback(monkeypatch, tmp_path):
     monkeypatch.setenv("TKCC_DEBUG", "1")
     with pytest.raises(ValueError):
         cli.main(["engine", "selfcheck", "--model", str(tmp_path / "nope.json")])
+
+
+def test_campaign_help_says_every_default():
+    """`tkcc campaign --help` / `ablate --help`: each flag that has a default says what it is,
+    as the parser holds it (a flag whose help went stale would name another value)."""
+    import argparse
+    import re
+    p = cli.parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("campaign", "ablate"):
+        for a in sub.choices[name]._actions:
+            if a.default in (None, False, "", [], argparse.SUPPRESS) or a.help == argparse.SUPPRESS:
+                continue
+            said = re.search(r"default:? ([^\s,;)]+)", a.help or "")
+            assert said and said.group(1) == str(a.default), (name, a.option_strings, a.help, a.default)

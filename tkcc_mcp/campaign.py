@@ -505,21 +505,21 @@ def add_common(p) -> None:
     """Flags `campaign` and `ablate` share (one-to-one with CampaignConfig's fields)."""
     import argparse
     p.add_argument("--agent", choices=AGENT_KINDS, default="search",
-                   help="search: offline, no model; claude: Claude Code via the Agent SDK; anthropic: our loop")
-    p.add_argument("--agents", type=int, default=1, help="agents in parallel (per campaign)")
-    p.add_argument("--budget", default="10m", help="wall-clock budget of the agents, e.g. 60s, 10m, 1h")
-    p.add_argument("--max-experiments", type=int, default=0, help="per agent (0: until the budget)")
-    p.add_argument("--model", default="llama-3.2-1b", help="the engine's model (preset, config.json or HF dir)")
+                   help="search: offline, no model; claude: Claude Code via the Agent SDK; anthropic: our loop (default search)")
+    p.add_argument("--agents", type=int, default=1, help="agents in parallel (per campaign; default 1)")
+    p.add_argument("--budget", default="10m", help="wall-clock budget of the agents, e.g. 60s, 10m, 1h (default 10m)")
+    p.add_argument("--max-experiments", type=int, default=0, help="per agent (default 0: until the budget)")
+    p.add_argument("--model", default="llama-3.2-1b", help="the engine's model (preset, config.json or HF dir; default llama-3.2-1b)")
     p.add_argument("--shrink", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU-sized copy of the model (default: on for presets on the CPU)")
     p.add_argument("--device", default="", help="engine device (default: cuda if available, else cpu)")
     p.add_argument("--engines", default="", help="comma-separated engine URLs or homes to use instead of "
                                                  "starting one (one per GPU; agent i uses engine i mod n)")
     p.add_argument("--token-file", default="", help="token of the --engines URLs (default $TKCC_HOME/engine.token)")
-    p.add_argument("--llm-model", default=DEFAULT_LLM_MODEL, help="model of the claude/anthropic agents")
+    p.add_argument("--llm-model", default=DEFAULT_LLM_MODEL, help=f"model of the claude/anthropic agents (default {DEFAULT_LLM_MODEL})")
     p.add_argument("--out", required=True, help="output directory (running again with it resumes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--confirm", type=int, default=1, help="measure_full the top K exact candidates at the end")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search agents' moves (default 0)")
+    p.add_argument("--confirm", type=int, default=1, help="measure_full the top K exact candidates at the end (default 1)")
     p.add_argument("--keep-engine", action="store_true", help="leave the campaign's own engine running")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                    help="extra `tkcc engine start` flag for the engine it starts, e.g. --engine-arg=--fast-rounds=9")
@@ -539,7 +539,7 @@ def config_from_args(args, **over) -> CampaignConfig:
 def add_parser(sub) -> None:
     p = sub.add_parser("campaign", help="run N agents in parallel against engines; report and plots",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default="expert", help="agent profile: a name in agent_profiles/ or a .md path")
+    p.add_argument("--profile", default="expert", help="agent profile: a name in agent_profiles/ or a .md path (default expert)")
     add_common(p)
 
 
