@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import capture, emit, replay_us  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
 BARRIERS = 40
@@ -53,24 +53,8 @@ def step_us(nb: int, nprog: int, warps: int) -> float:
     torch.cuda.synchronize()
     if nb and not bool((bar == nprog).all()):
         raise RuntimeError(f"a barrier's counter is not {nprog}: {bar.tolist()[:8]}")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(50):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / 50)
-    return best
+    g = capture(step)
+    return replay_us(g)
 
 
 def main() -> int:

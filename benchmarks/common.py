@@ -24,3 +24,30 @@ def emit(res: dict, out: str | None) -> int:
     if out:
         Path(out).write_text(json.dumps(res, indent=2, default=str))
     return 0
+
+
+def capture(step) -> "torch.cuda.CUDAGraph":
+    """`step` (CUDA work, no host syncs) run once on a side stream, then captured in a graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
+def replay_us(g: "torch.cuda.CUDAGraph", replays: int = 50, repeats: int = 5) -> float:
+    """The best of `repeats` means over `replays` back-to-back replays of `g`, in us."""
+    best = float("inf")
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1000 / replays)
+    return best

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import capture, emit, replay_us  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
 # name -> (wait: 0 stream order, 1 PDL's grid wait, 2 every thread polls, 3 one warp polls;
@@ -94,29 +94,13 @@ def chain_us(mode: str, n: int, grid: int, warps: int) -> float:
                            num_warps=warps, **extra)
     step()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step)
     bufs.zero_()
     g.replay()
     torch.cuda.synchronize()
     if not bool((bufs[n] == n).all()):
         raise RuntimeError(f"{mode}: a link read before its producer wrote: {bufs[n].tolist()[:8]}")
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(50):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / 50)
-    return best
+    return replay_us(g)
 
 
 def main() -> int:
