@@ -206,33 +206,6 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     _same_logits(cuda_engine, {"l2-off-folded": base, "l2-on-folded": knobs}, rel=2e-2)
 
 
-def test_counter_chain_changes_timing_not_results(cuda_engine):
-    """The H200 winner with KNOBS["pdl"]["FLAGS"] (each kernel polls the one before's counter
-    instead of griddepcontrol.wait): with the norms unfolded the logits are bitwise those of
-    the grid waits, eagerly and in each of 50 replays of its graph (a kernel that read before
-    its producer wrote would show as a different row); folded, the tolerance gate passes."""
-    from conftest import ROOT
-    from engine_server.state import decode_batch
-    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
-    old = '"EARLY_TRIGGER": False, "FLAGS": False}'
-    assert base.count(old) == 1
-    flags = base.replace(old, '"EARLY_TRIGGER": False, "FLAGS": True}', 1)
-    unfold = '"FOLD": True}'
-    ids = _same_logits(cuda_engine, {"grid-wait": base.replace(unfold, '"FOLD": False}'),
-                                     "counters": flags.replace(unfold, '"FOLD": False}')})
-    c = cuda_engine.candidates[ids[1]]
-    st = cuda_engine.candidate_state(c)
-    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
-                     torch.tensor([0], device="cuda"))
-    want = c.forward(st, b).clone()
-    for _ in range(50):
-        assert torch.equal(c.graphs.run(st, b), want)
-    r = cuda_engine.submit_forward_pass(flags, name="counters-folded")
-    assert r.ok and r.graphs, (r.error, r.notes)
-    tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
-    assert tol.close and tol.tokens_equal, tol
-
-
 def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     """The one-kernel-per-layer example (grid barriers between phases) on the shrunk preset:
     logits close to the reference's on the same inputs, K/V written only where the step

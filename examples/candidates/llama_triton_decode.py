@@ -200,10 +200,7 @@ KNOBS = {
     # before it waits (weights are never written; see also the GEMVs' PF_STEPS and PRE).
     # EARLY_TRIGGER: each kernel lets the next one launch at its entry instead of after its
     # wait, so loads issued before the wait run a kernel further ahead.
-    # FLAGS: each kernel waits for the one before it by polling a counter that kernel's programs
-    # bump as they end (one warp polls, release / acquire at GPU scope) instead of
-    # griddepcontrol.wait, which waits for the whole grid to retire (_Chain)
-    "pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False, "FLAGS": False},
+    "pdl": {"enabled": True, "PREFETCH_O": False, "EARLY_TRIGGER": False},
     # L2 eviction priorities: the GEMVs' weight loads marked evict-first (each is read once a
     # step), the attention's K/V loads evict-last (read again next step), so the K/V cache and
     # the step's activations may stay in L2 while the weights stream past
@@ -308,38 +305,6 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _warp_spin(ptr, need):
-        """The program's first warp polls the int32 at ptr (acquire loads at GPU scope) until it
-        reaches need, then fences; the whole program passes a block barrier after it."""
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t, v; mov.u32 t, %tid.x; mov.u32 v, 0; setp.ge.u32 p, t, 32; "
-            "@p bra SPUN${:uid}; SPIN${:uid}: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; "
-            "@p bra SPIN${:uid}; fence.acq_rel.gpu; SPUN${:uid}: bar.sync 0; mov.u32 $0, v; }",
-            "=r,l,r", [ptr, need], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _dep_wait(PDL: tl.constexpr, FLAG: tl.constexpr, cnt_ptr, dep_idx, dep_need):
-        """Wait for the kernel before this one (see _pdl_wait). FLAG 2 (KNOBS["pdl"]["FLAGS"]):
-        instead of griddepcontrol.wait (the whole grid before retired), poll that kernel's
-        counter cnt_ptr[dep_idx] until all dep_need of its programs have bumped it (_dep_post:
-        each after its last write, release / acquire at GPU scope); PDL 1 then lets the next
-        kernel launch, as after the wait."""
-        if FLAG == 2:
-            _warp_spin(cnt_ptr + dep_idx, dep_need)
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
-        else:
-            _pdl_wait(PDL)
-
-    @triton.jit
-    def _dep_post(FLAG: tl.constexpr, cnt_ptr, post_idx):
-        """FLAG > 0: the program's writes done, bump this kernel's counter cnt_ptr[post_idx]
-        (one thread, after a block barrier, a release at GPU scope)."""
-        if FLAG > 0:
-            tl.debug_barrier()
-            tl.atomic_add(cnt_ptr + post_idx, 1, sem="release", scope="gpu")
-
-    @triton.jit
     def _prefetch(ptrs):
         """Pull the lines at `ptrs` into L2: a hint, no result (callers clamp to valid addresses)."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
@@ -377,7 +342,7 @@ if HAVE_TRITON:
     def _add_norm_kernel(x_ptr, h_ptr, br_ptr, w_ptr, tok_ptr, emb_ptr,
                          D, NBR, stride_br_s, stride_br_b, stride_tok, stride_emb, eps,
                          GATHER: tl.constexpr, HAS_BRANCH: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr, NORM: tl.constexpr, cnt_ptr, dep_idx, dep_need, post_idx, FLAG: tl.constexpr):
+                         PDL: tl.constexpr, NORM: tl.constexpr):
         """One program per row b (x, h: [B, D] contiguous, model dtype).
 
         GATHER: x[b] = emb[tok[b]] first (the embedding lookup). HAS_BRANCH: x[b] += the sum
@@ -392,7 +357,7 @@ if HAVE_TRITON:
         m = offs < D
         if NORM:
             w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
-        _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+        _pdl_wait(PDL)
         if GATHER:
             tok = tl.load(tok_ptr + b * stride_tok)
             x = tl.load(emb_ptr + tok * stride_emb + offs, mask=m, other=0.0).to(tl.float32)
@@ -407,7 +372,6 @@ if HAVE_TRITON:
             var = tl.sum(x * x, axis=0) / D
             r = 1.0 / tl.sqrt(var + eps)
             tl.store(h_ptr + b * D + offs, _to(x * r * w, h_ptr), mask=m)
-        _dep_post(FLAG, cnt_ptr, post_idx)
 
     @triton.jit
     def _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K: tl.constexpr, SILU: tl.constexpr,
@@ -454,7 +418,7 @@ if HAVE_TRITON:
                      PIPE: tl.constexpr, EVW: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
-                     L2_CH: tl.constexpr, cnt_ptr, dep_idx, dep_need, post_idx, FLAG: tl.constexpr):
+                     L2_CH: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -518,7 +482,7 @@ if HAVE_TRITON:
                     _prefetch(w_ptr + rows + kk)
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
-        _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+        _pdl_wait(PDL)
         if L2_AT == 2:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
@@ -623,7 +587,6 @@ if HAVE_TRITON:
         else:
             out = out_ptr + pid_k * stride_os + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
             tl.store(out, _to(val, out_ptr), mask=b_mask[:, None] & n_mask[None, :])
-        _dep_post(FLAG, cnt_ptr, post_idx)
         if L2_AT == 3:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
 
@@ -632,7 +595,7 @@ if HAVE_TRITON:
                         NP, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
                         s_slot, s_head, s_seq,
                         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                        NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr, cnt_ptr, dep_idx, dep_need, post_idx, FLAG: tl.constexpr):
+                        NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr):
         """One program per row b. qkv: NP split-K partials [NP, B, (H+2KV)*hd] (summed, then
         rounded to the model dtype as the reference's projection output is).
 
@@ -642,7 +605,7 @@ if HAVE_TRITON:
         rounded (sin: the `rope_sin_rot` table, whose first half carries the minus sign).
         """
         _pdl_enter(PDL)
-        _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
         slot = tl.load(slot_ptr + b * stride_slot)
@@ -680,7 +643,6 @@ if HAVE_TRITON:
         for s in range(0, NP):
             v += tl.load(vrow + s * stride_qkv_s, mask=vm, other=0.0).to(tl.float32)
         tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
-        _dep_post(FLAG, cnt_ptr, post_idx)
 
     @triton.jit
     def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, c, sn, like_ptr,
@@ -761,8 +723,7 @@ if HAVE_TRITON:
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
                      EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
-                     l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr,
-                     cnt_ptr, dep_idx, dep_need, post_idx, FLAG: tl.constexpr):
+                     l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -813,7 +774,7 @@ if HAVE_TRITON:
                     idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
         if not PRELOAD_KV:
-            _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+            _pdl_wait(PDL)
             if L2_AT == 2:
                 _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
             if not EARLY_INPUTS:
@@ -836,7 +797,7 @@ if HAVE_TRITON:
             kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d, KV_EV)
             if PHASE != 1:
                 vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
-            _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+            _pdl_wait(PDL)
             if L2_AT == 2:
                 _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FUSE_ROPE:
@@ -931,17 +892,16 @@ if HAVE_TRITON:
                              _to(acc, o_ptr), mask=gm[:, None])
                 else:
                     tl.store(po_ptr + row[:, None] * HD + d[None, :], acc, mask=gm[:, None])
-        _dep_post(FLAG, cnt_ptr, post_idx)
 
     @triton.jit
     def _attn_combine_kernel(o_ptr, po_ptr, pm_ptr, pl_ptr,
                              HD: tl.constexpr, NSPLIT: tl.constexpr, NS_P: tl.constexpr,
-                             WEIGHTED: tl.constexpr, PDL: tl.constexpr, cnt_ptr, dep_idx, dep_need, post_idx, FLAG: tl.constexpr):
+                             WEIGHTED: tl.constexpr, PDL: tl.constexpr):
         """Grid (B * H,): merge the NSPLIT partials of one (row, head) into o (model dtype).
         WEIGHTED (online softmax): sum acc_s * exp(m_s - M) / sum l_s * exp(m_s - M);
         else the partials are already normalised: a plain sum."""
         _pdl_enter(PDL)
-        _dep_wait(PDL, FLAG, cnt_ptr, dep_idx, dep_need)
+        _pdl_wait(PDL)
         bh = tl.program_id(0)
         s = tl.arange(0, NS_P)
         sm = s < NSPLIT
@@ -956,7 +916,6 @@ if HAVE_TRITON:
         else:
             out = tl.sum(acc, axis=0)
         tl.store(o_ptr + bh * HD + d, _to(out, o_ptr))
-        _dep_post(FLAG, cnt_ptr, post_idx)
 
 
 # ---- launchers -------------------------------------------------------------------------
@@ -994,38 +953,6 @@ def _early(pdl: int, group: str) -> int:
 
 def _launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
-
-
-class _Chain:
-    """The step's kernels in launch order, for KNOBS["pdl"]["FLAGS"]: kernel i's programs each
-    bump counters[i] as they end, and kernel i + 1 polls it until it reaches kernel i's program
-    count instead of waiting for the whole grid (griddepcontrol.wait). The counters are zeroed
-    first in the step, by a plain launch, which the first kernel's launch follows (a launch
-    after a kernel that never triggers waits for its end), so every kernel but the first polls."""
-
-    def __init__(self, dev: torch.device, n: int):
-        self.counters = torch.zeros(n, device=dev, dtype=torch.int32)
-        self.i, self.last = 0, 0
-
-    def args(self, programs: int) -> dict:
-        """The next launch's arguments (its grid has `programs` programs): FLAG 1 (post only)
-        for the first, 2 (poll the one before, then post) for the rest."""
-        i, need = self.i, self.last
-        if i >= self.counters.numel():
-            raise RuntimeError(f"more kernels in the step than the {self.counters.numel()} counted")
-        self.i, self.last = i + 1, programs
-        return dict(cnt_ptr=self.counters, dep_idx=max(0, i - 1), dep_need=need, post_idx=i, FLAG=2 if i else 1)
-
-
-def _dep(chain, grid, other) -> dict:
-    """A launch's counter arguments (_Chain.args for a grid of that shape), or without a chain
-    none (FLAG 0; `other`, any tensor, as the unused pointer)."""
-    if chain is None:
-        return dict(cnt_ptr=other, dep_idx=0, dep_need=0, post_idx=0, FLAG=0)
-    n = 1
-    for g in grid:
-        n *= int(g)
-    return chain.args(n)
 
 
 def _line(t: torch.Tensor) -> int:
@@ -1066,7 +993,7 @@ def _l2_at_end(pdl: int, nxt, num_warps: int) -> dict:
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None, l2_next=None, chain=None):
+          w_gu=None, l2_next=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -1075,7 +1002,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
     (atomically, every split) and is returned. w_gu: the layer's gate_up weight, for
     _l2_prefetch; l2_next: a later GEMV's weight that the programs pull into L2 as they finish
-    (_l2_at_end; in place of _l2_prefetch's). chain: the step's _Chain (KNOBS["pdl"]["FLAGS"]).
+    (_l2_at_end; in place of _l2_prefetch's).
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -1108,25 +1035,23 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
                        **(_l2_at_end(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
-                       **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_dep(chain, grid, out),
-                       **_launch(pdl))
+                       **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
 
 
-def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None, chain=None):
+def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, chain=chain)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
     return F.linear(x, w)[None]
 
 
-def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=True, chain=None):
+def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=True):
     """x += sum(branch) (rounded as the reference rounds); h = rms_norm(x). With tokens/emb:
-    x = emb[tokens] first. In place on x [B, D] and h [B, D]. norm=False: x only (h unused).
-    chain: the step's _Chain (KNOBS["pdl"]["FLAGS"])."""
+    x = emb[tokens] first. In place on x [B, D] and h [B, D]. norm=False: x only (h unused)."""
     B, D = x.shape
     if _stage("norm"):
         br = branch if branch is not None else x
@@ -1139,7 +1064,7 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
                                e.stride(0) if emb is not None else 0, eps,
                                GATHER=tokens is not None, HAS_BRANCH=branch is not None,
                                BLOCK_D=_pow2(D), PDL=_early(pdl, "norm"), NORM=norm,
-                               num_warps=KNOBS["norm"]["num_warps"], **_dep(chain, (B,), x), **_launch(pdl))
+                               num_warps=KNOBS["norm"]["num_warps"], **_launch(pdl))
         return
     if tokens is not None:
         x.copy_(F.embedding(tokens, emb))
@@ -1149,11 +1074,11 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, chain=None):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
     KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
-    w_gu (the layer's gate_up weight) as _l2_prefetch says. chain: the step's _Chain."""
+    w_gu (the layer's gate_up weight) as _l2_prefetch says."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -1178,7 +1103,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                               NP, qkv.stride(0), qkv.stride(1), pos.stride(0), slots.stride(0), cos.stride(0),
                               kc.stride(0), kc.stride(1), kc.stride(2),
                               H=H, KV=KV, HD=hd, HALF=hd // 2, NH_P=_pow2(H + KV), KV_P=_pow2(KV),
-                              PDL=pdl, num_warps=KNOBS["rope"]["num_warps"], **_dep(chain, (B,), q), **_launch(pdl))
+                              PDL=pdl, num_warps=KNOBS["rope"]["num_warps"], **_launch(pdl))
     nsplit = max(1, int(ka["NSPLIT"]))
     exact = bool(ka["EXACT_SOFTMAX"])
     G = H // KV
@@ -1206,12 +1131,12 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **_l2_prefetch("attn" if i == 0 else "", pdl, w_gu, o, ka["num_warps"]),
-                                      **_dep(chain, (B, KV, nsplit), o), **meta)
+                                      **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
                                        num_warps=KNOBS["combine"]["num_warps"],
-                                       **_dep(chain, (B * H,), o), **_launch(pdl))
+                                       **_launch(pdl))
     return o
 
 
@@ -1231,10 +1156,6 @@ def _decode(state, batch):
     h = x if fold else torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
-    # KNOBS["pdl"]["FLAGS"]: each kernel polls the one before's counter instead of the grid
-    # wait (_Chain); all kernels of the step are Triton's then, every stage on
-    chain = (_Chain(dev, 12 * len(state.layers) + 4)
-             if pdl and KNOBS["pdl"].get("FLAGS", False) and all(_stage(n) for n in KNOBS["stages"]) else None)
     branch = None  # partials of the last projection, added to x by the next norm
     first = True
 
@@ -1244,19 +1165,19 @@ def _decode(state, batch):
         nonlocal first
         if first or not fold:
             _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl,
-                      norm=not fold, chain=chain)
+                      norm=not fold)
         first = False
         if fold:
             return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu,
-                         l2_next=l2_next, chain=chain)
-        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, chain=chain)
+                         l2_next=l2_next)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
     def project(a, weight, knob, w_gu=None, l2_next=None):
         """The branch for the next norm to add (FOLD: added into x now, none left)."""
         if fold:
-            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu, l2_next=l2_next, chain=chain)
+            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu, l2_next=l2_next)
             return None
-        return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu, l2_next=l2_next, chain=chain)
+        return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
     layers, l2 = list(state.layers), KNOBS["l2"]
     for i, layer in enumerate(layers):
@@ -1265,7 +1186,7 @@ def _decode(state, batch):
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu)
         wo = w[p + "self_attn.o_proj.weight"]
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
-                       w_gu=w_gu if _stage("gemv") else None, chain=chain)
+                       w_gu=w_gu if _stage("gemv") else None)
         branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
         act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True,
