@@ -213,8 +213,12 @@ KNOBS = {
     # layer's down weight into L2 (bulk prefetches, whole rows), and each down program its
     # share of the next layer's qkv weight: the next GEMV's programs, which mostly cannot be
     # resident beside this one's, find their weights in L2 while this one's last programs run
+    # QKV_NEXT (with PDL): the first attention kernel pulls the next layer's whole qkv weight
+    # into L2 AT its "entry" or right after its "wait" (in place of GATE_UP_STEPS), while the
+    # memory is idle; with the weights streamed evict-first it may stay there until the next
+    # qkv, whose programs mostly cannot be resident (and load early) beside down's
     "l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False, "GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait",
-           "END_DOWN": False, "END_QKV": False},
+           "END_DOWN": False, "END_QKV": False, "QKV_NEXT": False},
     "stages": {"attention": True, "norm": True, "gemv": True},
 }
 
@@ -982,14 +986,15 @@ def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
                 L2_AT={"entry": 1, "wait": 2}[at], L2_CH=32 * int(num_warps))
 
 
-def _l2_at_end(pdl: int, nxt, num_warps: int) -> dict:
-    """The bulk L2 prefetch arguments of a GEMV that pulls all of `nxt` (a later GEMV's weight,
-    whole rows) into L2 at its programs' end (L2_AT 3); none without PDL or nxt."""
+def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
+    """The bulk L2 prefetch arguments of a kernel that pulls all of `nxt` (a later GEMV's
+    weight, whole rows) into L2 at L2_AT `at` (1 entry, 2 after the wait, 3 its programs' end);
+    none without PDL or nxt."""
     es = nxt.element_size() if nxt is not None else 0
     if not pdl or nxt is None or not nxt.is_contiguous() or nxt.stride(0) * es % 16 or nxt.data_ptr() % 16:
         return {}
     return dict(l2_ptr=nxt, l2_rows=nxt.shape[0], l2_stride=nxt.stride(0) * es,
-                l2_bytes=nxt.shape[1] * es, L2_AT=3, L2_CH=32 * int(num_warps))
+                l2_bytes=nxt.shape[1] * es, L2_AT=at, L2_CH=32 * int(num_warps))
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
@@ -1002,7 +1007,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
     (atomically, every split) and is returned. w_gu: the layer's gate_up weight, for
     _l2_prefetch; l2_next: a later GEMV's weight that the programs pull into L2 as they finish
-    (_l2_at_end; in place of _l2_prefetch's).
+    (_l2_whole; in place of _l2_prefetch's).
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -1033,7 +1038,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
-                       **(_l2_at_end(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
+                       **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
@@ -1074,11 +1079,12 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
     after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
     KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
-    w_gu (the layer's gate_up weight) as _l2_prefetch says."""
+    w_gu (the layer's gate_up weight) as _l2_prefetch says, or all of l2_next (the next
+    layer's qkv weight, KNOBS["l2"]["QKV_NEXT"]) at KNOBS["l2"]["AT"] in its place."""
     cfg = state.config
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     NP, B, _ = qkv.shape
@@ -1123,6 +1129,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
     pf_t = w_next if pf else o
     phases = ([1] if exact and nsplit > 1 else []) + [2 if exact else 0]
+    at = {"entry": 1, "wait": 2}.get(KNOBS["l2"].get("AT", "wait"), 2)
     for i, phase in enumerate(phases):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
@@ -1130,7 +1137,8 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
-                                      **_l2_prefetch("attn" if i == 0 else "", pdl, w_gu, o, ka["num_warps"]),
+                                      **((_l2_whole(pdl, l2_next, ka["num_warps"], at) if i == 0 else {})
+                                         or _l2_prefetch("attn" if i == 0 else "", pdl, w_gu, o, ka["num_warps"])),
                                       **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
@@ -1185,8 +1193,10 @@ def _decode(state, batch):
         w_gu = t[p + "mlp.gate_up_proj.weight"]
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu)
         wo = w[p + "self_attn.o_proj.weight"]
+        nq = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
+              if l2.get("QKV_NEXT") and i + 1 < len(layers) and _stage("gemv") else None)
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
-                       w_gu=w_gu if _stage("gemv") else None)
+                       w_gu=w_gu if _stage("gemv") else None, l2_next=nq)
         branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
         act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True,
