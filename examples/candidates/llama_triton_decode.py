@@ -983,7 +983,10 @@ def _l2_prefetch(kernel: str, pdl: int, w_gu, other, num_warps: int) -> dict:
     if nbytes <= 0 or nbytes % 16 or (pre * es) % 16 or w_gu.stride(0) * es % 16 or w_gu.data_ptr() % 16:
         return none
     return dict(l2_ptr=w_gu[:, pre:], l2_rows=w_gu.shape[0], l2_stride=w_gu.stride(0) * es, l2_bytes=nbytes,
-                L2_AT={"entry": 1, "wait": 2}[at], L2_CH=32 * int(num_warps))
+                L2_AT=_L2_AT[at], L2_CH=32 * int(num_warps))
+
+
+_L2_AT = {"entry": 1, "wait": 2}  # KNOBS["l2"]["AT"] -> the kernels' L2_AT
 
 
 def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
@@ -1129,7 +1132,10 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     pf = pdl and w_next is not None and bool(KNOBS["pdl"]["PREFETCH_O"])
     pf_t = w_next if pf else o
     phases = ([1] if exact and nsplit > 1 else []) + [2 if exact else 0]
-    at = {"entry": 1, "wait": 2}.get(KNOBS["l2"].get("AT", "wait"), 2)
+    # the first kernel's L2 prefetch (the next qkv weight, else gate_up's steps), the rest none
+    l2_first = (_l2_whole(pdl, l2_next, ka["num_warps"], _L2_AT[KNOBS["l2"]["AT"]]) if l2_next is not None else {}
+                ) or _l2_prefetch("attn", pdl, w_gu, o, ka["num_warps"])
+    l2_rest = _l2_prefetch("", pdl, w_gu, o, ka["num_warps"])
     for i, phase in enumerate(phases):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
@@ -1137,8 +1143,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
-                                      **((_l2_whole(pdl, l2_next, ka["num_warps"], at) if i == 0 else {})
-                                         or _l2_prefetch("attn" if i == 0 else "", pdl, w_gu, o, ka["num_warps"])),
+                                      **(l2_first if i == 0 else l2_rest),
                                       **meta)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
