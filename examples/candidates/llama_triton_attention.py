@@ -57,13 +57,14 @@ position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
 - The forward run of h200_forward_llama-3.2-1b.json (its `command`), one run: these KNOBS
-  1,138 tok/s (879 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
+  1,131 tok/s (885 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
   attention, no PRELOAD_KV, EARLY_INPUTS, attention num_stages 1, the norms folded into the
   GEMVs (FOLD), qkv unsplit, combine, o and down EARLY_TRIGGER, qkv PRE 4, o PRE 4, gate_up
-  PRE 1, lm_head 16-row tiles reduced at every step, L2 priorities, combine 1 warp)
-  1,337.0 (748 us), against the engine reference's 507, torch.compile(reduce-overhead)'s 727
-  and HF's 74 (each step's greedy choice by engine_server.greedy); tolerance gate (identical
-  greedy tokens), not bitwise. Before the fold (h200_forward_llama-3.2-1b_e970453.json):
+  PRE 1, lm_head 16-row tiles reduced at every step, L2 priorities, combine 1 warp, qkv PIPE)
+  1,338.6 (747 us; 1,321.0 without qkv PIPE), against the engine reference's 509,
+  torch.compile(reduce-overhead)'s 742 and HF's 51 (each step's greedy choice by
+  engine_server.greedy); tolerance gate (identical greedy tokens), not bitwise. The run
+  before, at 0948e8a (h200_forward_llama-3.2-1b_0948e8a.json), without qkv PIPE: 1,337.0. Before the fold (h200_forward_llama-3.2-1b_e970453.json):
   1,280.0 (781 us).
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
   latency-bound) and qkv 4 -> 8 (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json);

@@ -6,9 +6,10 @@ add into atomically, each norm folded into the K loop of the GEMV after it; qkv 
 and kernels that let the next one launch at their entry (the attention combine, o_proj,
 down) so that all of qkv's and o_proj's weight shares and the first K step of gate_up's and
 down's load while the kernel before runs; L2 priorities (weights evict-first, K/V
-evict-last); the combine on one warp; lm_head on 16-row tiles reduced at every K step.
-1,337.0 tok/s (748 us a token): 2.64x the engine reference's 507.1, 1.84x torch.compile's
-727.0, 18.0x HF's 74.1 in one run (benchmarks/results/h200_forward_llama-3.2-1b.json).
+evict-last); the combine on one warp; lm_head on 16-row tiles reduced at every K step;
+qkv's K steps loaded a step ahead (PIPE). 1,338.6 tok/s (747 us a token): 2.63x the engine
+reference's 508.6, 1.80x torch.compile's 742.2, 26.5x HF's 50.6 in one run, where the same
+file without PIPE ran 1,321.0 (benchmarks/results/h200_forward_llama-3.2-1b.json).
 Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the
 tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart
 at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py
@@ -68,13 +69,14 @@ position, slot and RoPE rows.
 
 Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/results/):
 - The forward run of h200_forward_llama-3.2-1b.json (its `command`), one run: these KNOBS
-  1,138 tok/s (879 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
+  1,131 tok/s (885 us a token), llama_triton_decode_h200.py (online softmax, RoPE fused into
   attention, no PRELOAD_KV, EARLY_INPUTS, attention num_stages 1, the norms folded into the
   GEMVs (FOLD), qkv unsplit, combine, o and down EARLY_TRIGGER, qkv PRE 4, o PRE 4, gate_up
-  PRE 1, lm_head 16-row tiles reduced at every step, L2 priorities, combine 1 warp)
-  1,337.0 (748 us), against the engine reference's 507, torch.compile(reduce-overhead)'s 727
-  and HF's 74 (each step's greedy choice by engine_server.greedy); tolerance gate (identical
-  greedy tokens), not bitwise. Before the fold (h200_forward_llama-3.2-1b_e970453.json):
+  PRE 1, lm_head 16-row tiles reduced at every step, L2 priorities, combine 1 warp, qkv PIPE)
+  1,338.6 (747 us; 1,321.0 without qkv PIPE), against the engine reference's 509,
+  torch.compile(reduce-overhead)'s 742 and HF's 51 (each step's greedy choice by
+  engine_server.greedy); tolerance gate (identical greedy tokens), not bitwise. The run
+  before, at 0948e8a (h200_forward_llama-3.2-1b_0948e8a.json), without qkv PIPE: 1,337.0. Before the fold (h200_forward_llama-3.2-1b_e970453.json):
   1,280.0 (781 us).
 - How the KNOBS got here: norm num_warps 4 -> 16 (the one program of a batch-1 add_norm is
   latency-bound) and qkv 4 -> 8 (h200_variants_knob_sweep.json, h200_variants_norm_qkv.json);
@@ -173,7 +175,7 @@ KNOBS = {
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor
     "qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
-            "PIPE": False},
+            "PIPE": True},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
           "EARLY_TRIGGER": True,
           "PIPE": False},
