@@ -231,7 +231,7 @@ def overrides(eng: Engine, fields: dict):
         for k, v in fields.items():
             setattr(eng.config, k, v)
         if "fast_fraction" in fields:
-            eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction)
+            eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction, eng.config.fast_min_layers)
         yield
     finally:
         for k, v in saved.items():

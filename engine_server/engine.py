@@ -41,10 +41,10 @@ log = get_logger("engine")
 REFERENCE = "reference"
 
 
-def fast_layers(num_layers: int, fraction: float) -> tuple[int, ...]:
-    """The layers the fast tier runs: `fraction` of them (at least one), spread evenly from the
-    first to the last (one: the middle one); all of them at fraction 1."""
-    n = min(num_layers, max(1, round(num_layers * fraction)))
+def fast_layers(num_layers: int, fraction: float, least: int = 1) -> tuple[int, ...]:
+    """The layers the fast tier runs: `fraction` of them (at least `least`, at least one),
+    spread evenly from the first to the last (one: the middle one); all of them at fraction 1."""
+    n = min(num_layers, max(1, least, round(num_layers * fraction)))
     if n == 1:
         return (num_layers // 2,) if num_layers > 1 else (0,)
     return tuple(sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)}))
@@ -82,7 +82,7 @@ class Engine:
         self.pad_slot = cfg.max_batch  # the last slot: padding rows and warm-up write here
         self.state = State(mcfg, weights, k, v, self.family.tables(mcfg, weights, max_seq, self.dtype, self.device),
                            tuple(range(mcfg.num_layers)))
-        self.fast_layers = fast_layers(mcfg.num_layers, cfg.fast_fraction)
+        self.fast_layers = fast_layers(mcfg.num_layers, cfg.fast_fraction, cfg.fast_min_layers)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
         self.state_guard = StateGuard(self.state)

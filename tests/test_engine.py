@@ -488,6 +488,11 @@ def test_fast_layers_spread_from_first_to_last():
     assert fast_layers(16, 0.2) == (0, 8, 15)
     assert fast_layers(4, 0.2) == (2,) and fast_layers(1, 0.2) == (0,)
     assert fast_layers(4, 1.0) == (0, 1, 2, 3) and fast_layers(4, 3.0) == (0, 1, 2, 3)
+    # at least `least` layers: CUDA's default two (a lone layer is a poor slope where kernels overlap)
+    assert fast_layers(4, 0.2, 2) == (0, 3) and fast_layers(16, 0.2, 2) == (0, 8, 15) and fast_layers(1, 0.2, 2) == (0,)
+    assert EngineConfig(device="cuda").resolved().fast_min_layers == 2
+    assert EngineConfig(device="cpu").resolved().fast_min_layers == 1
+    assert EngineConfig(device="cuda", fast_min_layers=1).resolved().fast_min_layers == 1
 
 
 def test_fast_fraction_one_times_every_shape_at_full_depth(llama_engine):

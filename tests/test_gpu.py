@@ -137,7 +137,7 @@ def test_triton_decode_with_folded_norms_passes_the_tolerance_gate(cuda_engine):
     tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
     assert tol.close and tol.tokens_equal and 0 < tol.tolerance_used <= 1.0, tol
     fm = cuda_engine.measure_fast(r.candidate_id)
-    assert fm.valid and fm.outputs_match == "close", (fm.violations, fm.config.get("stopped"))
+    assert fm.valid and fm.outputs_match == "close", (fm.violations, fm.config.get("depth_check"), fm.config.get("stopped"))
 
 
 def _same_logits(engine, sources: dict[str, str], rel: float = 0.0) -> list[str]:
