@@ -90,7 +90,12 @@ class EngineConfig:
     traffic: str = ""  # trace file; default: the packaged Azure LLM code trace
     max_batch: int = 8
     max_seq: int = 0  # KV cache positions per slot (CPU 512, CUDA 4096)
-    fast_fraction: float = 0.2  # share of layers the fast tier runs (at least one; 1: full depth, nothing extrapolated)
+    fast_fraction: float = 0.2  # share of layers the fast tier runs (1: full depth, nothing extrapolated)
+    fast_min_layers: int = 0  # ... and at least this many (CPU 1, CUDA 2). On CUDA, where kernels overlap
+    # (PDL's early launches), a lone layer's time is a poor slope: on the 4-layer shrunk preset the
+    # Triton examples' full-depth steps ran 0.97-1.25x the extrapolation from one layer (the depth
+    # check's slack is 1.25), 1.00-1.10x from two, the depth padder 2.94-3.21x and 1.41x (H100:
+    # benchmarks/results/h100_depth_check_shrunk_fast_layers.json); 16-layer presets run three either way
     fast_contexts: int = 2  # context-length quantiles sampled by the fast tier
     fast_rounds: int = 0  # timed A/B rounds, at most (CPU 21, CUDA 15)
     fast_min_rounds: int = 0  # rounds before the fast tier may stop early on fast_ci (CPU 9, CUDA 5)
@@ -133,7 +138,7 @@ class EngineConfig:
             self, dtype=self.dtype or ("bfloat16" if cuda else "float32"),
             max_seq=pick(self.max_seq, 512, 4096), fast_rounds=pick(self.fast_rounds, 21, 15),
             fast_min_rounds=pick(self.fast_min_rounds, 9, 5), fast_ci=pick(self.fast_ci, 0.05, 0.01),
-            fast_iters=pick(self.fast_iters, 3, 10),
+            fast_iters=pick(self.fast_iters, 3, 10), fast_min_layers=pick(self.fast_min_layers, 1, 2),
             warmup_rounds=self.warmup_rounds if self.warmup_rounds >= 0 else (2 if cuda else 1),
             fast_prefill=self.fast_prefill,
             full_requests=pick(self.full_requests, 10, 32),
