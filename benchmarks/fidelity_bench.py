@@ -221,16 +221,18 @@ def main() -> int:
 @contextlib.contextmanager
 def overrides(eng: Engine, fields: dict):
     """The engine's (resolved) config with these fields changed, for the block only
-    (fast_fraction too, on the CPU: the fast layers follow it; on CUDA the candidates' graphs
-    were captured for the engine's own)."""
+    (fast_fraction and fast_min_layers too, on the CPU: the fast layers follow them; on CUDA the
+    candidates' graphs were captured for the engine's own)."""
     saved = {k: getattr(eng.config, k) for k in fields}
     layers = eng.fast_layers
-    if "fast_fraction" in fields and eng.cuda:
-        raise SystemExit("--also-fast: fast_fraction can change only on the CPU (graphs are captured per depth)")
+    depth = {"fast_fraction", "fast_min_layers"} & fields.keys()
+    if depth and eng.cuda:
+        raise SystemExit(f"--also-fast: {', '.join(sorted(depth))} can change only on the CPU (graphs are captured "
+                         "per depth)")
     try:
         for k, v in fields.items():
             setattr(eng.config, k, v)
-        if "fast_fraction" in fields:
+        if depth:
             eng.fast_layers = fast_layers(len(eng.state.layers), eng.config.fast_fraction, eng.config.fast_min_layers)
         yield
     finally:
