@@ -130,6 +130,8 @@ SPLITS = {"NSPLIT": 4, "BLOCK_S": 16}  # ctx 41 -> 3 splits busy, 1 empty
 ONLINE, EXACT = {"EXACT_SOFTMAX": False}, {"EXACT_SOFTMAX": True}
 NOFUSE = {"FUSE_ROPE": False}  # RoPE and the K/V write in _rope_kv_kernel, not in attention
 PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the (PDL) wait
+# ... or right after it, and with RoPE fused this step's K/V row from registers in every block
+PRE_WAIT = {"PRELOAD_KV": "wait", "FUSE_ROPE": True}
 EARLY = {"EARLY_INPUTS": True}  # position, slot and RoPE rows loaded before the (PDL) wait
 PIPE = {"PIPE": True}  # a GEMV's K steps loaded one step ahead
 FOLD = {"norm": {"FOLD": True}}  # batch 1: the norms folded into the GEMVs, a float32 residual
@@ -191,8 +193,13 @@ BF16_CASES = [
     {"rows": 1, "layers": [1], "knobs": FOLD | {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
                                                 "lm_head": PIPE, "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
     {"rows": 2, "layers": [1, 3], "knobs": FOLD},
+    # K/V loaded right after the wait (PRE_WAIT); splits of three 8-key blocks: this step's row
+    # in a split's first block (ctx 24) or its last (ctx 41)
+    {"rows": 3, "layers": [1, 3], "knobs": {"attn": {"NSPLIT": 2, "BLOCK_S": 8} | ONLINE | PRE_WAIT | EARLY}},
+    {"rows": 2, "layers": [2], "knobs": {"attn": {"NSPLIT": 2, "BLOCK_S": 8} | EXACT | PRE_WAIT}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"attn": SPLITS | ONLINE | PRE_WAIT}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26, 27, 28)]
 
 
 SCRIPT_HELPERS = r'''
@@ -316,7 +323,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
                    "END_DOWN": True, "END_QKV": True}},
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
-            "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}}]
+            "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}},
+           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": "wait"}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -343,7 +351,8 @@ for fn, grid, args, kw in launches:
                     maxnreg=".maxnreg 128" in ptx, maxnreg_wanted=kw.get("maxnreg") == 128,
                     bulk_before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"),
                     fused_rope=bool(consts.get("FUSE_ROPE")), pdl=consts["PDL"],
-                    preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") or consts.get("EARLY_INPUTS")),
+                    preload=bool(consts.get("PRE_K") or consts.get("PRELOAD_KV") == 1 or consts.get("EARLY_INPUTS")),
+                    preload_wait=consts.get("PRELOAD_KV") == 2 and bool(consts.get("SUBST_KV")),
                     early=bool(consts.get("EARLY_INPUTS")), evict_wanted=bool(consts.get("EVW") or consts.get("KV_EV")),
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
@@ -386,6 +395,7 @@ def test_pdl_kernels_compile_for_sm90():
     assert any(r["prefetch"] and r["kernel"] == "_gemv_kernel" for r in res)
     assert any(r["fused_rope"] for r in res)
     assert any(r["early"] and r["load_before_wait"] for r in res)
+    assert any(r["preload_wait"] for r in res)
     for r in res:  # L2 eviction priorities where KNOBS["l2"] asks for them, and only there
         assert r["evict"] == r["evict_wanted"], r
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}

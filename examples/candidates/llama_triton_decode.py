@@ -180,7 +180,9 @@ KNOBS = {
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
     # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
-    # is loaded before the PDL wait, the row of this step's position re-read after it.
+    # is loaded before the PDL wait (True), the row of this step's position re-read after it,
+    # or right after the wait beside q's loads ("wait": with FUSE_ROPE every block takes that
+    # row from the program's registers, so no block barrier orders the loads after the write).
     # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "FUSE_ROPE": False, "num_warps": 4,
              "num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False},
@@ -690,6 +692,15 @@ if HAVE_TRITON:
         return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EV)
 
     @triton.jit
+    def _kv_at(base, s_seq, offs, valid, d, EV: tl.constexpr, pos, new, SUBST: tl.constexpr):
+        """_kv_tile; with SUBST its row at pos (if any) is `new` ([HD]: this step's K or V as
+        this program writes it to the cache), not what the load returned."""
+        t = _kv_tile(base, s_seq, offs, valid, d, EV)
+        if SUBST:
+            t = tl.where((offs == pos)[:, None], new[None, :], t)
+        return t
+
+    @triton.jit
     def _scores(q, kt, valid, q_ptr, scale, IEEE: tl.constexpr):
         """Scores of the GP query rows against the keys of tile `kt` as the reference rounds
         them: q.k accumulated in float32 and rounded, times scale, rounded; -inf where not valid."""
@@ -727,7 +738,7 @@ if HAVE_TRITON:
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
+                     SUBST_KV: tl.constexpr, EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
                      l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
@@ -749,10 +760,13 @@ if HAVE_TRITON:
         block barrier like any other key.
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
         lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
-        PRELOAD_KV: the split's first block of K (and V) is loaded before the wait (cells of
+        PRELOAD_KV 1: the split's first block of K (and V) is loaded before the wait (cells of
         earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
-        from the values this program writes (WRITE_KV), else re-read from the cache.
-        EARLY_INPUTS (or PRELOAD_KV): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
+        from the values this program writes (WRITE_KV), else re-read from the cache. 2: the
+        same block loaded right after the wait, before q's RoPE (its loads in flight together).
+        SUBST_KV (FUSE_ROPE and WRITE_KV): every block's row at pos[b] is taken from this
+        program's registers, so no block barrier orders the cache write before the loads.
+        EARLY_INPUTS (or PRELOAD_KV 1): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
         at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
         KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
         L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
@@ -767,7 +781,7 @@ if HAVE_TRITON:
         if L2_AT == 1:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         d = tl.arange(0, HD)
-        if PRELOAD_KV or EARLY_INPUTS:  # the step's inputs and tables: before the wait
+        if PRELOAD_KV == 1 or EARLY_INPUTS:  # the step's inputs and tables: before the wait
             pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
                                             stride_cos, d, FUSE_ROPE)
         if PDL:
@@ -778,7 +792,7 @@ if HAVE_TRITON:
                 for j0 in range(0, per, PF_CHUNK):
                     idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
-        if not PRELOAD_KV:
+        if PRELOAD_KV != 1:
             _pdl_wait(PDL)
             if L2_AT == 2:
                 _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
@@ -796,15 +810,18 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
-        if PRELOAD_KV:
+        if PRELOAD_KV != 0:
             offs0 = start + tl.arange(0, BLOCK_S)
             valid0 = offs0 < end
             kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d, KV_EV)
             if PHASE != 1:
                 vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
-            _pdl_wait(PDL)
-            if L2_AT == 2:
-                _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
+            if PRELOAD_KV == 1:
+                _pdl_wait(PDL)
+                if L2_AT == 2:
+                    _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
+        knew = d  # this step's K / V rows with FUSE_ROPE and WRITE_KV (below)
+        vnew = d
         if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
             q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2), q_ptr)
@@ -821,15 +838,18 @@ if HAVE_TRITON:
                 wm = one[:, None] & (at >= start) & (at < end)
                 tl.store(k_base + cell, _to(k, kc_ptr), mask=wm)
                 tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
-                tl.debug_barrier()  # the block's own cache writes, visible to its loads below
+                knew = _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
+                vnew = _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)
+                if not SUBST_KV:
+                    tl.debug_barrier()  # the block's own cache writes, visible to its loads below
         else:
             q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
-        if PRELOAD_KV:  # this step's row: from this program's registers, or re-read now it is written
+        if PRELOAD_KV != 0:  # this step's row: from this program's registers, or re-read now it is written
             at0 = (offs0 == pos)[:, None]
             if FUSE_ROPE and WRITE_KV:
-                kt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)[None, :], kt0)
+                kt0 = tl.where(at0, knew[None, :], kt0)
                 if PHASE != 1:
-                    vt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)[None, :], vt0)
+                    vt0 = tl.where(at0, vnew[None, :], vt0)
             else:
                 kt0 = tl.where(at0, tl.load(k_base + pos.to(tl.int64) * s_seq + d)[None, :], kt0)
                 if PHASE != 1:
@@ -842,15 +862,15 @@ if HAVE_TRITON:
         l_i = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, HD], dtype=tl.float32)
         if PHASE == 0:
-            if PRELOAD_KV:
+            if PRELOAD_KV != 0:
                 if start < end:
                     m_i, l_i, acc = _online_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
                                                  vc_ptr, IEEE)
             for s0 in range(lo, end, BLOCK_S):
                 offs = s0 + tl.arange(0, BLOCK_S)
                 valid = offs < end
-                sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
-                m_i, l_i, acc = _online_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc,
+                sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
+                m_i, l_i, acc = _online_step(sc, _kv_at(v_base, s_seq, offs, valid, d, KV_EV, pos, vnew, SUBST_KV), m_i, l_i, acc,
                                              vc_ptr, IEEE)
             if NSPLIT == 1:
                 tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
@@ -861,13 +881,13 @@ if HAVE_TRITON:
                 tl.store(pl_ptr + row, l_i, mask=gm)
         else:
             if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
-                if PRELOAD_KV:
+                if PRELOAD_KV != 0:
                     if start < end:
                         m_i, l_i = _stats_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), m_i, l_i)
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                    sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
                     m_i, l_i = _stats_step(sc, m_i, l_i)
             if PHASE == 1:
                 tl.store(pm_ptr + row, m_i, mask=gm)
@@ -883,15 +903,15 @@ if HAVE_TRITON:
                     l_i = tl.sum(tl.where(sm, ls * tl.exp(ms - m_i[:, None]), 0.0), axis=1)
                 m_i = tl.where(gm, m_i, 0.0)  # padding query rows: no inf - inf
                 l_i = tl.where(gm, l_i, 1.0)
-                if PRELOAD_KV:
+                if PRELOAD_KV != 0:
                     if start < end:
                         acc = _exact_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
                                           vc_ptr, IEEE)
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
-                    acc = _exact_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc, vc_ptr, IEEE)
+                    sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
+                    acc = _exact_step(sc, _kv_at(v_base, s_seq, offs, valid, d, KV_EV, pos, vnew, SUBST_KV), m_i, l_i, acc, vc_ptr, IEEE)
                 if NSPLIT == 1:
                     tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                              _to(acc, o_ptr), mask=gm[:, None])
@@ -1137,11 +1157,12 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     l2_first = (_l2_whole(pdl, l2_next, ka["num_warps"], _L2_AT[KNOBS["l2"]["AT"]]) if l2_next is not None else {}
                 ) or _l2_prefetch("attn", pdl, w_gu, o, ka["num_warps"])
     l2_rest = _l2_prefetch("", pdl, w_gu, o, ka["num_warps"])
+    preload = {False: 0, True: 1, "wait": 2}[ka.get("PRELOAD_KV", False)]
     for i, phase in enumerate(phases):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
-                                      PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
+                                      PRELOAD_KV=preload, SUBST_KV=preload == 2 and fuse and i == 0,
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
