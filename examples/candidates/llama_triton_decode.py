@@ -66,7 +66,9 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   then the loads before the wait (h200_variants_preload*.json): the norm weight (+0.8%),
   gate_up reduced at every step with 8 warps (255 registers and 88 bytes of spills with 4 and
   the [BLOCK_N, BLOCK_K] accumulators; +0.8%), down PRE 1 (+0.7%), PRELOAD_KV with exact
-  softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%),
+  softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%;
+  on the folded winner -1.7%, h200_variants_fold_attn.json; loaded right after the wait
+  instead, PRELOAD_KV "wait", -2.3% on an H100, h100_variants_preload_wait.json),
   PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
   wave, so the next kernel launches late), EARLY_TRIGGER (-2%).
 - Then for the H200 winner (h200_variants_early_inputs.json, _early_trigger.json,
