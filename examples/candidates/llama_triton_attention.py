@@ -162,6 +162,8 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
+    # PRE_LAST (batch 1, with PRE): the PRE columns' products are summed after the loop, so the
+    # loop's first loads go out right after the wait, beside their x tile's (same sums, same order).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -412,15 +414,41 @@ if HAVE_TRITON:
         return xt, wt, wu
 
     @triton.jit
-    def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
-        """A float32 residual tile [1, n] at columns offs_k -> (x * g, x * x): the norm weight
-        g's columns applied, the squares for the row's rsqrt (zeros past K)."""
+    def _norm_cols(g_ptr, offs_k, K, EVEN_K: tl.constexpr):
+        """The norm weight g's columns offs_k (zeros past K)."""
         if EVEN_K:
             gt = tl.load(g_ptr + offs_k)
         else:
             gt = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0)
+        return gt
+
+    @triton.jit
+    def _fold(xt, gt):
+        """A float32 residual tile [1, n] and the norm weight's columns gt -> (x * g, x * x): the
+        norm weight applied, the squares for the row's rsqrt."""
         xf = xt.to(tl.float32)
         return xf * gt.to(tl.float32)[None, :], xf * xf
+
+    @triton.jit
+    def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
+        """_fold with the norm weight's columns offs_k loaded here."""
+        return _fold(xt, _norm_cols(g_ptr, offs_k, K, EVEN_K))
+
+    @triton.jit
+    def _pre_sums(xp, gp, wp, wpu, SILU: tl.constexpr, FOLD: tl.constexpr):
+        """FMA path: the products of the columns loaded before the wait (x tile xp, the norm
+        weight's columns gp with FOLD, weight rows wp and with SILU wpu), each row's summed:
+        ([BLOCK_N], [BLOCK_N] or the first again, [1]: the squares' sum with FOLD, else 0)."""
+        ss_pre = tl.zeros([1], dtype=tl.float32)
+        if FOLD:
+            xp, ssp = _fold(xp, gp)
+            ss_pre = tl.sum(ssp, axis=1)
+        xpf = xp.to(tl.float32)
+        pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)
+        pre_u = pre
+        if SILU:
+            pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
+        return pre, pre_u, ss_pre
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
@@ -429,7 +457,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, EVW: tl.constexpr,
+                     PIPE: tl.constexpr, PRE_LAST: tl.constexpr, EVW: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
                      L2_CH: tl.constexpr):
@@ -450,6 +478,9 @@ if HAVE_TRITON:
         runs), their products summed apart from the loop's and added at the end.
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
+        PRE_LAST (the FMA path): the PRE_K columns' products are summed after the loop (they are
+        added at the end either way), so nothing between the wait and the loop's first loads
+        waits on a load: the x tile of those columns is in flight with them.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
         FOLD (B == 1, the FMA path; KNOBS["norm"]["FOLD"]): x is the float32 residual stream and
         the GEMV is of rms_norm(x) * g (norm weight g): each K step's x tile is multiplied by g's
@@ -485,6 +516,7 @@ if HAVE_TRITON:
             else:
                 pm = n_mask[:, None] & (offs_p < K)[None, :]
             wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)  # [BLOCK_N, PRE_K]
+            wpu = wp
             if SILU:
                 wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)
         if PDL:
@@ -520,19 +552,15 @@ if HAVE_TRITON:
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
             xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            gp = xp
             if FOLD:
-                xp, ssp = _folded(xp, g_ptr, offs_p, K, EVEN_K)
-                if not SS_ROW:
-                    ss_pre = tl.sum(ssp, axis=1)  # [1]
+                gp = _norm_cols(g_ptr, offs_p, K, EVEN_K)
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
                     acc_u += _dot(xp, tl.trans(wpu), IEEE)
-            else:
-                xpf = xp.to(tl.float32)
-                pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)  # [BLOCK_N]
-                if SILU:
-                    pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
+            elif not PRE_LAST:
+                pre, pre_u, ss_pre = _pre_sums(xp, gp, wp, wpu, SILU, FOLD)
         if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
             kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
             xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
@@ -561,6 +589,8 @@ if HAVE_TRITON:
                 acc2 += wt.to(tl.float32) * xf
                 if SILU:
                     acc2_u += wu.to(tl.float32) * xf
+        if PRE_K > 0 and PRE_LAST and not USE_DOT:  # the loop's loads went out first
+            pre, pre_u, ss_pre = _pre_sums(xp, gp, wp, wpu, SILU, FOLD)
         if not USE_DOT:
             if REDUCE_EACH:
                 red = acc1
@@ -606,7 +636,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                        NP, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
+                        NP: tl.constexpr, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
                         s_slot, s_head, s_seq,
                         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
                         NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr):
@@ -629,7 +659,7 @@ if HAVE_TRITON:
         lo = tl.zeros([NH_P, HALF], dtype=tl.float32)
         hi = tl.zeros([NH_P, HALF], dtype=tl.float32)
         row = qkv_ptr + b * stride_qkv_b + hh[:, None] * HD + d[None, :]
-        for s in range(0, NP):
+        for s in tl.static_range(NP):
             lo += tl.load(row + s * stride_qkv_s, mask=hm, other=0.0).to(tl.float32)
             hi += tl.load(row + s * stride_qkv_s + HALF, mask=hm, other=0.0).to(tl.float32)
         lo = _round(lo, kc_ptr)
@@ -654,26 +684,37 @@ if HAVE_TRITON:
         vm = (vh < KV)[:, None]
         vrow = qkv_ptr + b * stride_qkv_b + (H + KV) * HD + vh[:, None] * HD + dd[None, :]
         v = tl.zeros([KV_P, HD], dtype=tl.float32)
-        for s in range(0, NP):
+        for s in tl.static_range(NP):
             v += tl.load(vrow + s * stride_qkv_s, mask=vm, other=0.0).to(tl.float32)
         tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
 
     @triton.jit
-    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, c, sn, like_ptr,
-                    N: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
+    def _head_rows(row_ptr, heads, hm, d, NP: tl.constexpr, stride_s, N: tl.constexpr, HD: tl.constexpr,
+                   HALF: tl.constexpr):
         """Heads `heads` ([N] indices, rows masked by hm) of one row of qkv partials (NP of them,
-        stride_s apart), summed, then RoPE'd with the table rows c, sn ([1, HD] float32, the
-        step's position): [N, HD] float32, rounded where _rope_kv_kernel rounds (the sum, each
-        product, their sum)."""
-        part = (d + HALF) % HD  # rotate-half partner: x[d + hd/2] for the first half, x[d - hd/2] after
-        x = tl.zeros([N, HD], dtype=tl.float32)
-        xp = tl.zeros([N, HD], dtype=tl.float32)
+        stride_s apart) and their rotate-half partners (x[d + hd/2] for the first half, x[d - hd/2]
+        after): ([N, HD], [N, HD]), as loaded (NP == 1) or summed in float32. Loads only (the
+        arithmetic is _rope's), so a caller can have all its loads in flight at once."""
+        part = (d + HALF) % HD
         base = row_ptr + heads[:, None] * HD
-        for s in range(0, NP):
-            x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-            xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-        x = _round(x, like_ptr)
-        xp = _round(xp, like_ptr)
+        if NP == 1:
+            x = tl.load(base + d[None, :], mask=hm[:, None], other=0.0)
+            xp = tl.load(base + part[None, :], mask=hm[:, None], other=0.0)
+        else:
+            x = tl.zeros([N, HD], dtype=tl.float32)
+            xp = tl.zeros([N, HD], dtype=tl.float32)
+            for s in tl.static_range(NP):
+                x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+                xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        return x, xp
+
+    @triton.jit
+    def _rope(x, xp, c, sn, like_ptr):
+        """RoPE of _head_rows' (x, xp) with the table rows c, sn ([1, HD] float32, the step's
+        position): [N, HD] float32, rounded where _rope_kv_kernel rounds (the sum, each product,
+        their sum)."""
+        x = _round(x.to(tl.float32), like_ptr)
+        xp = _round(xp.to(tl.float32), like_ptr)
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
@@ -699,13 +740,33 @@ if HAVE_TRITON:
         return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EV)
 
     @triton.jit
-    def _kv_at(base, s_seq, offs, valid, d, EV: tl.constexpr, pos, new, SUBST: tl.constexpr):
-        """_kv_tile; with SUBST its row at pos (if any) is `new` ([HD]: this step's K or V as
-        this program writes it to the cache), not what the load returned."""
-        t = _kv_tile(base, s_seq, offs, valid, d, EV)
+    def _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, EV: tl.constexpr, pos, knew, vnew, SUBST: tl.constexpr,
+                  JOIN: tl.constexpr, WANT_V: tl.constexpr, BLOCK_S: tl.constexpr, HD: tl.constexpr):
+        """The K and V tiles ([BLOCK_S, HD] each) of the cache rows s0 + i < end (_kv_tile; V's
+        cells are kv_delta elements after K's; the V tile only with WANT_V, else the K tile
+        again). JOIN: both in one load of a [2 * BLOCK_S, HD] tile (K's rows, then V's), so that
+        the V tile's loads are in flight with the K tile's rather than issued once the K tile
+        has arrived (its conversion into the dot's layout waits for it). SUBST: the row at pos
+        (if the tile holds it) is knew / vnew ([HD]: this step's K / V as this program writes
+        them to the cache), not what the load returned."""
+        offs = s0 + tl.arange(0, BLOCK_S)
+        if JOIN and WANT_V:
+            r = tl.arange(0, 2 * BLOCK_S)
+            rows = s0 + r % BLOCK_S
+            off = rows.to(tl.int64)[:, None] * s_seq + (r >= BLOCK_S).to(tl.int64)[:, None] * kv_delta + d[None, :]
+            t = tl.load(k_base + off, mask=(rows < end)[:, None] & (d[None, :] >= 0), other=0.0, eviction_policy=EV)
+            kt, vt = tl.split(tl.permute(tl.reshape(t, [2, BLOCK_S, HD]), [1, 2, 0]))
+        else:
+            kt = _kv_tile(k_base, s_seq, offs, offs < end, d, EV)
+            vt = kt
+            if WANT_V:
+                vt = _kv_tile(k_base + kv_delta, s_seq, offs, offs < end, d, EV)
         if SUBST:
-            t = tl.where((offs == pos)[:, None], new[None, :], t)
-        return t
+            at = (offs == pos)[:, None]
+            kt = tl.where(at, knew[None, :], kt)
+            if WANT_V:
+                vt = tl.where(at, vnew[None, :], vt)
+        return kt, vt
 
     @triton.jit
     def _scores(q, kt, valid, q_ptr, scale, IEEE: tl.constexpr):
@@ -738,14 +799,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, pf_ptr, pf_lines,
-                     qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
+                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, kv_delta, pf_ptr, pf_lines,
+                     qkv_ptr, cos_ptr, sin_ptr, NP: tl.constexpr, stride_qkv_s, stride_qkv_b, stride_cos,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     SUBST_KV: tl.constexpr, EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
+                     KV_JOIN: tl.constexpr, EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
                      l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
@@ -762,17 +823,17 @@ if HAVE_TRITON:
         Partials: po [B, H, NSPLIT, HD], pm / pl [B, H, NSPLIT], float32.
         Without FUSE_ROPE, q comes RoPE'd from q_ptr (_rope_kv_kernel wrote it and this step's
         K/V) and nothing is written to the cache. FUSE_ROPE: q is RoPE'd here from the qkv
-        partials, and with WRITE_KV the split holding position pos[b] also writes this step's
-        K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back after a
-        block barrier like any other key.
+        partials (NP of them), and with WRITE_KV the split holding position pos[b] also writes
+        this step's K/V cell (slot[b], kvh, pos[b]), the only cache write, and takes that row
+        from its registers wherever a tile holds it (no block barrier before the tiles' loads).
+        The q, k and v rows are all loaded before any arithmetic uses them (their loads in
+        flight together). KV_JOIN: each block's K and V tiles in one load (_kv_tiles).
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
         lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
         PRELOAD_KV 1: the split's first block of K (and V) is loaded before the wait (cells of
         earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
         from the values this program writes (WRITE_KV), else re-read from the cache. 2: the
-        same block loaded right after the wait, before q's RoPE (its loads in flight together).
-        SUBST_KV (FUSE_ROPE and WRITE_KV): every block's row at pos[b] is taken from this
-        program's registers, so no block barrier orders the cache write before the loads.
+        same block loaded after the wait, right after the q, k, v rows, before their RoPE.
         EARLY_INPUTS (or PRELOAD_KV 1): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
         at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
         KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
@@ -817,28 +878,41 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
-        if PRELOAD_KV != 0:
+        if PRELOAD_KV != 0:  # the first block (earlier steps' cells): before the wait (1), or below (2)
             offs0 = start + tl.arange(0, BLOCK_S)
             valid0 = offs0 < end
-            kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d, KV_EV)
-            if PHASE != 1:
-                vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
             if PRELOAD_KV == 1:
+                kt0, vt0 = _kv_tiles(k_base, kv_delta, s_seq, start, end, d, KV_EV, pos, d, d, False, KV_JOIN,
+                                     PHASE != 1, BLOCK_S, HD)
                 _pdl_wait(PDL)
                 if L2_AT == 2:
                     _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
+        SUBST: tl.constexpr = FUSE_ROPE and WRITE_KV  # this step's K/V row from registers
+        if FUSE_ROPE:  # this step's q (and k, v) rows: their loads first, in flight together
+            qrow = qkv_ptr + b * stride_qkv_b
+            qx, qxp = _head_rows(qrow, heads, gm, d, NP, stride_qkv_s, GP, HD, HD // 2)
+            if WRITE_KV:
+                one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
+                kx, kxp = _head_rows(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, GP, HD, HD // 2)
+                vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
+                if NP == 1:
+                    vx = tl.load(vrow, mask=one[:, None], other=0.0)
+                else:
+                    vx = tl.zeros([GP, HD], dtype=tl.float32)
+                    for s in tl.static_range(NP):
+                        vx += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
+        else:
+            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+        if PRELOAD_KV == 2:  # right after the rows' loads, so that all of them are in flight together
+            kt0, vt0 = _kv_tiles(k_base, kv_delta, s_seq, start, end, d, KV_EV, pos, d, d, False, KV_JOIN,
+                                 PHASE != 1, BLOCK_S, HD)
         knew = d  # this step's K / V rows with FUSE_ROPE and WRITE_KV (below)
         vnew = d
         if FUSE_ROPE:
-            qrow = qkv_ptr + b * stride_qkv_b
-            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2), q_ptr)
+            q = _to(_rope(qx, qxp, c, sn, kc_ptr), q_ptr)
             if WRITE_KV:
-                one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
-                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2)
-                v = tl.zeros([GP, HD], dtype=tl.float32)
-                vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
-                for s in range(0, NP):
-                    v += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
+                k = _rope(kx, kxp, c, sn, kc_ptr)
+                v = vx.to(tl.float32)
                 cell = pos.to(tl.int64) * s_seq + 0 * g[:, None] + d[None, :]
                 # the split holding position pos writes it
                 at = pos + 0 * d[None, :]  # full-shape compares: the interpreter rejects scalar masks
@@ -847,13 +921,9 @@ if HAVE_TRITON:
                 tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
                 knew = _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
                 vnew = _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)
-                if not SUBST_KV:
-                    tl.debug_barrier()  # the block's own cache writes, visible to its loads below
-        else:
-            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
         if PRELOAD_KV != 0:  # this step's row: from this program's registers, or re-read now it is written
             at0 = (offs0 == pos)[:, None]
-            if FUSE_ROPE and WRITE_KV:
+            if SUBST:
                 kt0 = tl.where(at0, knew[None, :], kt0)
                 if PHASE != 1:
                     vt0 = tl.where(at0, vnew[None, :], vt0)
@@ -861,6 +931,7 @@ if HAVE_TRITON:
                 kt0 = tl.where(at0, tl.load(k_base + pos.to(tl.int64) * s_seq + d)[None, :], kt0)
                 if PHASE != 1:
                     vt0 = tl.where(at0, tl.load(v_base + pos.to(tl.int64) * s_seq + d)[None, :], vt0)
+        if PRELOAD_KV != 0:
             lo = start + BLOCK_S  # the loops below start after the preloaded block
         else:
             lo = start
@@ -876,9 +947,9 @@ if HAVE_TRITON:
             for s0 in range(lo, end, BLOCK_S):
                 offs = s0 + tl.arange(0, BLOCK_S)
                 valid = offs < end
-                sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
-                m_i, l_i, acc = _online_step(sc, _kv_at(v_base, s_seq, offs, valid, d, KV_EV, pos, vnew, SUBST_KV), m_i, l_i, acc,
-                                             vc_ptr, IEEE)
+                kt, vt = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN, True,
+                                   BLOCK_S, HD)
+                m_i, l_i, acc = _online_step(_scores(q, kt, valid, q_ptr, scale, IEEE), vt, m_i, l_i, acc, vc_ptr, IEEE)
             if NSPLIT == 1:
                 tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                          _to(acc / l_i[:, None], o_ptr), mask=gm[:, None])
@@ -894,8 +965,9 @@ if HAVE_TRITON:
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
-                    m_i, l_i = _stats_step(sc, m_i, l_i)
+                    kt, _ = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN,
+                                      False, BLOCK_S, HD)
+                    m_i, l_i = _stats_step(_scores(q, kt, valid, q_ptr, scale, IEEE), m_i, l_i)
             if PHASE == 1:
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
@@ -917,8 +989,9 @@ if HAVE_TRITON:
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    sc = _scores(q, _kv_at(k_base, s_seq, offs, valid, d, KV_EV, pos, knew, SUBST_KV), valid, q_ptr, scale, IEEE)
-                    acc = _exact_step(sc, _kv_at(v_base, s_seq, offs, valid, d, KV_EV, pos, vnew, SUBST_KV), m_i, l_i, acc, vc_ptr, IEEE)
+                    kt, vt = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN,
+                                       True, BLOCK_S, HD)
+                    acc = _exact_step(_scores(q, kt, valid, q_ptr, scale, IEEE), vt, m_i, l_i, acc, vc_ptr, IEEE)
                 if NSPLIT == 1:
                     tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                              _to(acc, o_ptr), mask=gm[:, None])
@@ -1066,7 +1139,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
-                       PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
+                       PIPE=bool(kn["PIPE"]), PRE_LAST=bool(kn.get("PRE_LAST", False)), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
@@ -1151,7 +1224,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     else:
         po = pm = pl = o
     args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
-            kc.stride(0), kc.stride(1), kc.stride(2))
+            kc.stride(0), kc.stride(1), kc.stride(2), (vc.data_ptr() - kc.data_ptr()) // kc.element_size())
     rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
     meta = dict(H=H, G=G, GP=max(16, _pow2(G)), HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                 BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=_early(pdl, "attn"),
@@ -1169,7 +1242,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
-                                      PRELOAD_KV=preload, SUBST_KV=preload == 2 and fuse and i == 0,
+                                      PRELOAD_KV=preload, KV_JOIN=bool(ka.get("KV_JOIN", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
