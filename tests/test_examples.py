@@ -295,12 +295,12 @@ FOLD_PRE = {"qkv": {"SPLIT_K": 2, "BLOCK_K": 16, "PRE": 4}, "o": {"SPLIT_K": 3, 
 SAME_BITS = [  # (rows, layers, knobs without, knobs with)
     (1, [0, 2], FOLD | FOLD_PRE | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}},
      FOLD | {k: v | {"PRE_LAST": True} for k, v in FOLD_PRE.items()}
-     | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True, "KV_JOIN": True}}),
+     | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True, "KV_JOIN": True, "SUBST_KV": True}}),
     (1, [1], {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2} | PIPE, "gate_up": {"BLOCK_K": 32, "PRE": 1},
               "attn": {"NSPLIT": 2, "BLOCK_S": 8} | ONLINE | {"FUSE_ROPE": True}},
      {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "PRE": 2, "PRE_LAST": True} | PIPE,
       "gate_up": {"BLOCK_K": 32, "PRE": 1, "PRE_LAST": True},
-      "attn": {"NSPLIT": 2, "BLOCK_S": 8} | ONLINE | PRE_WAIT | JOIN}),
+      "attn": {"NSPLIT": 2, "BLOCK_S": 8} | ONLINE | PRE_WAIT | JOIN | {"SUBST_KV": True}}),
     (3, [1, 3], {"attn": {"NSPLIT": 2, "BLOCK_S": 8} | EXACT | {"FUSE_ROPE": True}, "gate_up": {"PRE": 1}},
      {"attn": {"NSPLIT": 2, "BLOCK_S": 8} | EXACT | PRE_WAIT | JOIN, "gate_up": {"PRE": 1, "PRE_LAST": True}}),
 ]
@@ -310,8 +310,9 @@ SAME_BITS = [  # (rows, layers, knobs without, knobs with)
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_load_order_knobs_keep_the_bits():
     """PRE_LAST (a GEMV's PRE columns summed after its loop), KV_JOIN (K and V tiles in one
-    load) and PRELOAD_KV "wait" change when loads are issued, not what is summed in which
-    order: logits and the written K/V cells are bitwise those without them."""
+    load), SUBST_KV (this step's K/V row from registers) and PRELOAD_KV "wait" change when
+    loads are issued, not what is summed in which order: logits and the written K/V cells are
+    bitwise those without them."""
     cases = [{"rows": r, "layers": ls, "knobs": k} for r, ls, a, b in SAME_BITS for k in (a, b)]
     res = run_interpreter(EXAMPLES / "llama_triton_decode.py", "bfloat16", cases)
     for without, with_ in zip(res[::2], res[1::2]):
@@ -362,7 +363,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
             "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}},
-           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": "wait", "KV_JOIN": True},
+           {"attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False, "PRELOAD_KV": "wait", "KV_JOIN": True,
+                     "SUBST_KV": True},
             "qkv": {"PRE": 2, "PRE_LAST": True, "PIPE": True}, "gate_up": {"PRE": 1, "PRE_LAST": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:

@@ -821,7 +821,8 @@ if HAVE_TRITON:
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     KV_JOIN: tl.constexpr, EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
+                     KV_JOIN: tl.constexpr, SUBST_KV: tl.constexpr, EARLY_INPUTS: tl.constexpr,
+                     KV_EV: tl.constexpr,
                      l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
@@ -839,8 +840,9 @@ if HAVE_TRITON:
         Without FUSE_ROPE, q comes RoPE'd from q_ptr (_rope_kv_kernel wrote it and this step's
         K/V) and nothing is written to the cache. FUSE_ROPE: q is RoPE'd here from the qkv
         partials (NP of them), and with WRITE_KV the split holding position pos[b] also writes
-        this step's K/V cell (slot[b], kvh, pos[b]), the only cache write, and takes that row
-        from its registers wherever a tile holds it (no block barrier before the tiles' loads).
+        this step's K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back
+        after a block barrier like any other key; SUBST_KV: takes that row from its registers
+        wherever a tile holds it instead (no block barrier before the tiles' loads).
         The q, k and v rows are all loaded before any arithmetic uses them (their loads in
         flight together). KV_JOIN: each block's K and V tiles in one load (_kv_tiles).
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
@@ -902,7 +904,7 @@ if HAVE_TRITON:
                 _pdl_wait(PDL)
                 if L2_AT == 2:
                     _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
-        SUBST: tl.constexpr = FUSE_ROPE and WRITE_KV  # this step's K/V row from registers
+        SUBST: tl.constexpr = FUSE_ROPE and WRITE_KV and SUBST_KV  # this step's K/V row from registers
         if FUSE_ROPE:  # this step's q (and k, v) rows: their loads first, in flight together
             qrow = qkv_ptr + b * stride_qkv_b
             qx, qxp = _head_rows(qrow, heads, gm, d, NP, stride_qkv_s, GP, HD, HD // 2)
@@ -934,11 +936,14 @@ if HAVE_TRITON:
                 wm = one[:, None] & (at >= start) & (at < end)
                 tl.store(k_base + cell, _to(k, kc_ptr), mask=wm)
                 tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
-                knew = _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
-                vnew = _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)
+                if SUBST or PRELOAD_KV != 0:
+                    knew = _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
+                    vnew = _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)
+                if not SUBST:
+                    tl.debug_barrier()  # the block's own cache writes, visible to its loads below
         if PRELOAD_KV != 0:  # this step's row: from this program's registers, or re-read now it is written
             at0 = (offs0 == pos)[:, None]
-            if SUBST:
+            if FUSE_ROPE and WRITE_KV:
                 kt0 = tl.where(at0, knew[None, :], kt0)
                 if PHASE != 1:
                     vt0 = tl.where(at0, vnew[None, :], vt0)
@@ -1258,6 +1263,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
                                       PRELOAD_KV=preload, KV_JOIN=bool(ka.get("KV_JOIN", False)),
+                                      SUBST_KV=bool(ka.get("SUBST_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
