@@ -72,10 +72,15 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   gate_up reduced at every step with 8 warps (255 registers and 88 bytes of spills with 4 and
   the [BLOCK_N, BLOCK_K] accumulators; +0.8%), down PRE 1 (+0.7%), PRELOAD_KV with exact
   softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%;
-  on the folded winner -1.7%, h200_variants_fold_attn.json; loaded right after the wait
-  instead, PRELOAD_KV "wait", -2.3% on an H100, h100_variants_preload_wait.json),
+  on the folded winner -1.7%, h200_variants_fold_attn.json; the block loaded right after the
+  wait instead, at 4ecd9d3 and since removed: -2.3% on an H100, h100_variants_preload_wait.json,
+  -4.2% on the H200 with K and V in one load, h200_variants_attn_subst.json),
   PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
-  wave, so the next kernel launches late), EARLY_TRIGGER (-2%).
+  wave, so the next kernel launches late), EARLY_TRIGGER (-2%). Measured at e066641 and not
+  kept (h200_variants_attn_subst.json, _rows_subst.json): this step's K/V row taken from the
+  writing program's registers in every tile instead of the block barrier and re-read (-5.2%),
+  the q, k, v rows loaded before any arithmetic (a tie), K and V tiles in one load (-0.8%), a
+  GEMV's PRE columns summed after its loop (a tie).
 - Then for the H200 winner (h200_variants_early_inputs.json, _early_trigger.json,
   _winner_sweep.json): EARLY_INPUTS +1.4%; norm EARLY_TRIGGER with gate_up PRE 1 +1.1% (PRE 1
   alone +0.0%: the early launch is what gives the loads time); weights evict-first in L2
@@ -162,8 +167,6 @@ KNOBS = {
     # PRE: K steps of its weight rows loaded into registers before the wait (a power of two,
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
-    # PRE_LAST (batch 1, with PRE): the PRE columns' products are summed after the loop, so the
-    # loop's first loads go out right after the wait, beside their x tile's (same sums, same order).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -189,9 +192,7 @@ KNOBS = {
     # pass over K (and, with NSPLIT > 1, one more launch); False: online softmax (flash).
     # FUSE_ROPE: RoPE and this step's K/V write move into the first attention kernel (no
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
-    # is loaded before the PDL wait (True), the row of this step's position re-read after it,
-    # or right after the wait beside q's loads ("wait": with FUSE_ROPE every block takes that
-    # row from the program's registers, so no block barrier orders the loads after the write).
+    # is loaded before the PDL wait, the row of this step's position re-read after it.
     # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": True, "FUSE_ROPE": False, "num_warps": 4,
              "num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False},
@@ -414,41 +415,15 @@ if HAVE_TRITON:
         return xt, wt, wu
 
     @triton.jit
-    def _norm_cols(g_ptr, offs_k, K, EVEN_K: tl.constexpr):
-        """The norm weight g's columns offs_k (zeros past K)."""
+    def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
+        """A float32 residual tile [1, n] at columns offs_k -> (x * g, x * x): the norm weight
+        g's columns applied, the squares for the row's rsqrt (zeros past K)."""
         if EVEN_K:
             gt = tl.load(g_ptr + offs_k)
         else:
             gt = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0)
-        return gt
-
-    @triton.jit
-    def _fold(xt, gt):
-        """A float32 residual tile [1, n] and the norm weight's columns gt -> (x * g, x * x): the
-        norm weight applied, the squares for the row's rsqrt."""
         xf = xt.to(tl.float32)
         return xf * gt.to(tl.float32)[None, :], xf * xf
-
-    @triton.jit
-    def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
-        """_fold with the norm weight's columns offs_k loaded here."""
-        return _fold(xt, _norm_cols(g_ptr, offs_k, K, EVEN_K))
-
-    @triton.jit
-    def _pre_sums(xp, gp, wp, wpu, SILU: tl.constexpr, FOLD: tl.constexpr):
-        """FMA path: the products of the columns loaded before the wait (x tile xp, the norm
-        weight's columns gp with FOLD, weight rows wp and with SILU wpu), each row's summed:
-        ([BLOCK_N], [BLOCK_N] or the first again, [1]: the squares' sum with FOLD, else 0)."""
-        ss_pre = tl.zeros([1], dtype=tl.float32)
-        if FOLD:
-            xp, ssp = _fold(xp, gp)
-            ss_pre = tl.sum(ssp, axis=1)
-        xpf = xp.to(tl.float32)
-        pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)
-        pre_u = pre
-        if SILU:
-            pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
-        return pre, pre_u, ss_pre
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
@@ -457,7 +432,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, PRE_LAST: tl.constexpr, EVW: tl.constexpr,
+                     PIPE: tl.constexpr, EVW: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
                      L2_CH: tl.constexpr):
@@ -478,9 +453,6 @@ if HAVE_TRITON:
         runs), their products summed apart from the loop's and added at the end.
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
-        PRE_LAST (the FMA path): the PRE_K columns' products are summed after the loop (they are
-        added at the end either way), so nothing between the wait and the loop's first loads
-        waits on a load: the x tile of those columns is in flight with them.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
         FOLD (B == 1, the FMA path; KNOBS["norm"]["FOLD"]): x is the float32 residual stream and
         the GEMV is of rms_norm(x) * g (norm weight g): each K step's x tile is multiplied by g's
@@ -516,7 +488,6 @@ if HAVE_TRITON:
             else:
                 pm = n_mask[:, None] & (offs_p < K)[None, :]
             wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)  # [BLOCK_N, PRE_K]
-            wpu = wp
             if SILU:
                 wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)
         if PDL:
@@ -552,15 +523,19 @@ if HAVE_TRITON:
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
             xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
-            gp = xp
             if FOLD:
-                gp = _norm_cols(g_ptr, offs_p, K, EVEN_K)
+                xp, ssp = _folded(xp, g_ptr, offs_p, K, EVEN_K)
+                if not SS_ROW:
+                    ss_pre = tl.sum(ssp, axis=1)  # [1]
             if USE_DOT:
                 acc += _dot(xp, tl.trans(wp), IEEE)
                 if SILU:
                     acc_u += _dot(xp, tl.trans(wpu), IEEE)
-            elif not PRE_LAST:
-                pre, pre_u, ss_pre = _pre_sums(xp, gp, wp, wpu, SILU, FOLD)
+            else:
+                xpf = xp.to(tl.float32)
+                pre = tl.sum(wp.to(tl.float32) * xpf, axis=1)  # [BLOCK_N]
+                if SILU:
+                    pre_u = tl.sum(wpu.to(tl.float32) * xpf, axis=1)
         if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
             kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
             xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
@@ -589,8 +564,6 @@ if HAVE_TRITON:
                 acc2 += wt.to(tl.float32) * xf
                 if SILU:
                     acc2_u += wu.to(tl.float32) * xf
-        if PRE_K > 0 and PRE_LAST and not USE_DOT:  # the loop's loads went out first
-            pre, pre_u, ss_pre = _pre_sums(xp, gp, wp, wpu, SILU, FOLD)
         if not USE_DOT:
             if REDUCE_EACH:
                 red = acc1
@@ -636,7 +609,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kv_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                        NP: tl.constexpr, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
+                        NP, stride_qkv_s, stride_qkv_b, stride_pos, stride_slot, stride_cos,
                         s_slot, s_head, s_seq,
                         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
                         NH_P: tl.constexpr, KV_P: tl.constexpr, PDL: tl.constexpr):
@@ -659,7 +632,7 @@ if HAVE_TRITON:
         lo = tl.zeros([NH_P, HALF], dtype=tl.float32)
         hi = tl.zeros([NH_P, HALF], dtype=tl.float32)
         row = qkv_ptr + b * stride_qkv_b + hh[:, None] * HD + d[None, :]
-        for s in tl.static_range(NP):
+        for s in range(0, NP):
             lo += tl.load(row + s * stride_qkv_s, mask=hm, other=0.0).to(tl.float32)
             hi += tl.load(row + s * stride_qkv_s + HALF, mask=hm, other=0.0).to(tl.float32)
         lo = _round(lo, kc_ptr)
@@ -684,37 +657,26 @@ if HAVE_TRITON:
         vm = (vh < KV)[:, None]
         vrow = qkv_ptr + b * stride_qkv_b + (H + KV) * HD + vh[:, None] * HD + dd[None, :]
         v = tl.zeros([KV_P, HD], dtype=tl.float32)
-        for s in tl.static_range(NP):
+        for s in range(0, NP):
             v += tl.load(vrow + s * stride_qkv_s, mask=vm, other=0.0).to(tl.float32)
         tl.store(vc_ptr + cell + vh[:, None] * s_head + dd[None, :], _to(v, vc_ptr), mask=vm)
 
     @triton.jit
-    def _head_rows(row_ptr, heads, hm, d, NP: tl.constexpr, stride_s, N: tl.constexpr, HD: tl.constexpr,
-                   HALF: tl.constexpr):
+    def _rope_heads(row_ptr, heads, hm, d, NP, stride_s, c, sn, like_ptr,
+                    N: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
         """Heads `heads` ([N] indices, rows masked by hm) of one row of qkv partials (NP of them,
-        stride_s apart) and their rotate-half partners (x[d + hd/2] for the first half, x[d - hd/2]
-        after): ([N, HD], [N, HD]), as loaded (NP == 1) or summed in float32. Loads only (the
-        arithmetic is _rope's), so a caller can have all its loads in flight at once."""
-        part = (d + HALF) % HD
+        stride_s apart), summed, then RoPE'd with the table rows c, sn ([1, HD] float32, the
+        step's position): [N, HD] float32, rounded where _rope_kv_kernel rounds (the sum, each
+        product, their sum)."""
+        part = (d + HALF) % HD  # rotate-half partner: x[d + hd/2] for the first half, x[d - hd/2] after
+        x = tl.zeros([N, HD], dtype=tl.float32)
+        xp = tl.zeros([N, HD], dtype=tl.float32)
         base = row_ptr + heads[:, None] * HD
-        if NP == 1:
-            x = tl.load(base + d[None, :], mask=hm[:, None], other=0.0)
-            xp = tl.load(base + part[None, :], mask=hm[:, None], other=0.0)
-        else:
-            x = tl.zeros([N, HD], dtype=tl.float32)
-            xp = tl.zeros([N, HD], dtype=tl.float32)
-            for s in tl.static_range(NP):
-                x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-                xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
-        return x, xp
-
-    @triton.jit
-    def _rope(x, xp, c, sn, like_ptr):
-        """RoPE of _head_rows' (x, xp) with the table rows c, sn ([1, HD] float32, the step's
-        position): [N, HD] float32, rounded where _rope_kv_kernel rounds (the sum, each product,
-        their sum)."""
-        x = _round(x.to(tl.float32), like_ptr)
-        xp = _round(xp.to(tl.float32), like_ptr)
+        for s in range(0, NP):
+            x += tl.load(base + s * stride_s + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+            xp += tl.load(base + s * stride_s + part[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        x = _round(x, like_ptr)
+        xp = _round(xp, like_ptr)
         return _round(_round(x * c, like_ptr) + _round(xp * sn, like_ptr), like_ptr)
 
     @triton.jit
@@ -738,35 +700,6 @@ if HAVE_TRITON:
         """The cache rows `offs` ([BLOCK_S, HD]) of one (slot, kv head); zeros where not valid.
         EV: the loads' L2 eviction policy ("" default, or "evict_last")."""
         return tl.load(base + offs[:, None] * s_seq + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EV)
-
-    @triton.jit
-    def _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, EV: tl.constexpr, pos, knew, vnew, SUBST: tl.constexpr,
-                  JOIN: tl.constexpr, WANT_V: tl.constexpr, BLOCK_S: tl.constexpr, HD: tl.constexpr):
-        """The K and V tiles ([BLOCK_S, HD] each) of the cache rows s0 + i < end (_kv_tile; V's
-        cells are kv_delta elements after K's; the V tile only with WANT_V, else the K tile
-        again). JOIN: both in one load of a [2 * BLOCK_S, HD] tile (K's rows, then V's), so that
-        the V tile's loads are in flight with the K tile's rather than issued once the K tile
-        has arrived (its conversion into the dot's layout waits for it). SUBST: the row at pos
-        (if the tile holds it) is knew / vnew ([HD]: this step's K / V as this program writes
-        them to the cache), not what the load returned."""
-        offs = s0 + tl.arange(0, BLOCK_S)
-        if JOIN and WANT_V:
-            r = tl.arange(0, 2 * BLOCK_S)
-            rows = s0 + r % BLOCK_S
-            off = rows.to(tl.int64)[:, None] * s_seq + (r >= BLOCK_S).to(tl.int64)[:, None] * kv_delta + d[None, :]
-            t = tl.load(k_base + off, mask=(rows < end)[:, None] & (d[None, :] >= 0), other=0.0, eviction_policy=EV)
-            kt, vt = tl.split(tl.permute(tl.reshape(t, [2, BLOCK_S, HD]), [1, 2, 0]))
-        else:
-            kt = _kv_tile(k_base, s_seq, offs, offs < end, d, EV)
-            vt = kt
-            if WANT_V:
-                vt = _kv_tile(k_base + kv_delta, s_seq, offs, offs < end, d, EV)
-        if SUBST:
-            at = (offs == pos)[:, None]
-            kt = tl.where(at, knew[None, :], kt)
-            if WANT_V:
-                vt = tl.where(at, vnew[None, :], vt)
-        return kt, vt
 
     @triton.jit
     def _scores(q, kt, valid, q_ptr, scale, IEEE: tl.constexpr):
@@ -799,15 +732,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, kv_delta, pf_ptr, pf_lines,
-                     qkv_ptr, cos_ptr, sin_ptr, NP: tl.constexpr, stride_qkv_s, stride_qkv_b, stride_cos,
+                     scale, stride_pos, stride_slot, s_slot, s_head, s_seq, pf_ptr, pf_lines,
+                     qkv_ptr, cos_ptr, sin_ptr, NP, stride_qkv_s, stride_qkv_b, stride_cos,
                      H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
                      NSPLIT: tl.constexpr, NS_P: tl.constexpr, BLOCK_S: tl.constexpr,
                      PHASE: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-                     KV_JOIN: tl.constexpr, SUBST_KV: tl.constexpr, EARLY_INPUTS: tl.constexpr,
-                     KV_EV: tl.constexpr,
+                     EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
                      l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
@@ -824,19 +756,15 @@ if HAVE_TRITON:
         Partials: po [B, H, NSPLIT, HD], pm / pl [B, H, NSPLIT], float32.
         Without FUSE_ROPE, q comes RoPE'd from q_ptr (_rope_kv_kernel wrote it and this step's
         K/V) and nothing is written to the cache. FUSE_ROPE: q is RoPE'd here from the qkv
-        partials (NP of them), and with WRITE_KV the split holding position pos[b] also writes
-        this step's K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back
-        after a block barrier like any other key; SUBST_KV: takes that row from its registers
-        wherever a tile holds it instead (no block barrier before the tiles' loads).
-        The q, k and v rows are all loaded before any arithmetic uses them (their loads in
-        flight together). KV_JOIN: each block's K and V tiles in one load (_kv_tiles).
+        partials, and with WRITE_KV the split holding position pos[b] also writes this step's
+        K/V cell (slot[b], kvh, pos[b]), the only cache write, then reads it back after a
+        block barrier like any other key.
         PDL with PF_CHUNK > 0: before waiting, the programs share out the prefetch of pf_lines
         lines of PF_LINE elements at pf_ptr (o_proj's weight, read by the kernel after next).
-        PRELOAD_KV 1: the split's first block of K (and V) is loaded before the wait (cells of
+        PRELOAD_KV: the split's first block of K (and V) is loaded before the wait (cells of
         earlier steps: no kernel of this step writes them), its row at pos[b] taken after it
-        from the values this program writes (WRITE_KV), else re-read from the cache. 2: the
-        same block loaded after the wait, right after the q, k, v rows, before their RoPE.
-        EARLY_INPUTS (or PRELOAD_KV 1): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
+        from the values this program writes (WRITE_KV), else re-read from the cache.
+        EARLY_INPUTS (or PRELOAD_KV): pos[b], slot[b] and, with FUSE_ROPE, the RoPE table rows
         at pos[b] are loaded before the wait (the step's inputs and tables: nothing writes them).
         KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
         L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
@@ -851,7 +779,7 @@ if HAVE_TRITON:
         if L2_AT == 1:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         d = tl.arange(0, HD)
-        if PRELOAD_KV == 1 or EARLY_INPUTS:  # the step's inputs and tables: before the wait
+        if PRELOAD_KV or EARLY_INPUTS:  # the step's inputs and tables: before the wait
             pos, slot, c, sn = _step_inputs(b, pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_pos, stride_slot,
                                             stride_cos, d, FUSE_ROPE)
         if PDL:
@@ -862,7 +790,7 @@ if HAVE_TRITON:
                 for j0 in range(0, per, PF_CHUNK):
                     idx = tl.minimum(pid * per + j0 + tl.arange(0, PF_CHUNK), pf_lines - 1)
                     _prefetch(pf_ptr + idx.to(tl.int64) * PF_LINE)
-        if PRELOAD_KV != 1:
+        if not PRELOAD_KV:
             _pdl_wait(PDL)
             if L2_AT == 2:
                 _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
@@ -880,63 +808,44 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
-        if PRELOAD_KV != 0:  # the first block (earlier steps' cells): before the wait (1), or below (2)
+        if PRELOAD_KV:
             offs0 = start + tl.arange(0, BLOCK_S)
             valid0 = offs0 < end
-            if PRELOAD_KV == 1:
-                kt0, vt0 = _kv_tiles(k_base, kv_delta, s_seq, start, end, d, KV_EV, pos, d, d, False, KV_JOIN,
-                                     PHASE != 1, BLOCK_S, HD)
-                _pdl_wait(PDL)
-                if L2_AT == 2:
-                    _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
-        SUBST: tl.constexpr = FUSE_ROPE and WRITE_KV and SUBST_KV  # this step's K/V row from registers
-        if FUSE_ROPE:  # this step's q (and k, v) rows: their loads first, in flight together
+            kt0 = _kv_tile(k_base, s_seq, offs0, valid0, d, KV_EV)
+            if PHASE != 1:
+                vt0 = _kv_tile(v_base, s_seq, offs0, valid0, d, KV_EV)
+            _pdl_wait(PDL)
+            if L2_AT == 2:
+                _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
+        if FUSE_ROPE:
             qrow = qkv_ptr + b * stride_qkv_b
-            qx, qxp = _head_rows(qrow, heads, gm, d, NP, stride_qkv_s, GP, HD, HD // 2)
+            q = _to(_rope_heads(qrow, heads, gm, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2), q_ptr)
             if WRITE_KV:
                 one = g == 0  # row 0 of [GP, HD] tiles carries this kv head's k / v
-                kx, kxp = _head_rows(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, GP, HD, HD // 2)
+                k = _rope_heads(qrow, H + kvh + 0 * g, one, d, NP, stride_qkv_s, c, sn, kc_ptr, GP, HD, HD // 2)
+                v = tl.zeros([GP, HD], dtype=tl.float32)
                 vrow = qrow + (H + H // G + kvh) * HD + d[None, :] + 0 * g[:, None]
-                if NP == 1:
-                    vx = tl.load(vrow, mask=one[:, None], other=0.0)
-                else:
-                    vx = tl.zeros([GP, HD], dtype=tl.float32)
-                    for s in tl.static_range(NP):
-                        vx += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
-        else:
-            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
-        if PRELOAD_KV == 2:  # right after the rows' loads, so that all of them are in flight together
-            kt0, vt0 = _kv_tiles(k_base, kv_delta, s_seq, start, end, d, KV_EV, pos, d, d, False, KV_JOIN,
-                                 PHASE != 1, BLOCK_S, HD)
-        knew = d  # this step's K / V rows with FUSE_ROPE and WRITE_KV (below)
-        vnew = d
-        if FUSE_ROPE:
-            q = _to(_rope(qx, qxp, c, sn, kc_ptr), q_ptr)
-            if WRITE_KV:
-                k = _rope(kx, kxp, c, sn, kc_ptr)
-                v = vx.to(tl.float32)
+                for s in range(0, NP):
+                    v += tl.load(vrow + s * stride_qkv_s, mask=one[:, None], other=0.0).to(tl.float32)
                 cell = pos.to(tl.int64) * s_seq + 0 * g[:, None] + d[None, :]
                 # the split holding position pos writes it
                 at = pos + 0 * d[None, :]  # full-shape compares: the interpreter rejects scalar masks
                 wm = one[:, None] & (at >= start) & (at < end)
                 tl.store(k_base + cell, _to(k, kc_ptr), mask=wm)
                 tl.store(v_base + cell, _to(v, vc_ptr), mask=wm)
-                if SUBST or PRELOAD_KV != 0:
-                    knew = _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
-                    vnew = _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)
-                if not SUBST:
-                    tl.debug_barrier()  # the block's own cache writes, visible to its loads below
-        if PRELOAD_KV != 0:  # this step's row: from this program's registers, or re-read now it is written
+                tl.debug_barrier()  # the block's own cache writes, visible to its loads below
+        else:
+            q = tl.load(q_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0)
+        if PRELOAD_KV:  # this step's row: from this program's registers, or re-read now it is written
             at0 = (offs0 == pos)[:, None]
             if FUSE_ROPE and WRITE_KV:
-                kt0 = tl.where(at0, knew[None, :], kt0)
+                kt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)[None, :], kt0)
                 if PHASE != 1:
-                    vt0 = tl.where(at0, vnew[None, :], vt0)
+                    vt0 = tl.where(at0, _to(tl.sum(tl.where(one[:, None], v, 0.0), axis=0), vc_ptr)[None, :], vt0)
             else:
                 kt0 = tl.where(at0, tl.load(k_base + pos.to(tl.int64) * s_seq + d)[None, :], kt0)
                 if PHASE != 1:
                     vt0 = tl.where(at0, tl.load(v_base + pos.to(tl.int64) * s_seq + d)[None, :], vt0)
-        if PRELOAD_KV != 0:
             lo = start + BLOCK_S  # the loops below start after the preloaded block
         else:
             lo = start
@@ -945,16 +854,16 @@ if HAVE_TRITON:
         l_i = tl.zeros([GP], dtype=tl.float32)
         acc = tl.zeros([GP, HD], dtype=tl.float32)
         if PHASE == 0:
-            if PRELOAD_KV != 0:
+            if PRELOAD_KV:
                 if start < end:
                     m_i, l_i, acc = _online_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
                                                  vc_ptr, IEEE)
             for s0 in range(lo, end, BLOCK_S):
                 offs = s0 + tl.arange(0, BLOCK_S)
                 valid = offs < end
-                kt, vt = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN, True,
-                                   BLOCK_S, HD)
-                m_i, l_i, acc = _online_step(_scores(q, kt, valid, q_ptr, scale, IEEE), vt, m_i, l_i, acc, vc_ptr, IEEE)
+                sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                m_i, l_i, acc = _online_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc,
+                                             vc_ptr, IEEE)
             if NSPLIT == 1:
                 tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                          _to(acc / l_i[:, None], o_ptr), mask=gm[:, None])
@@ -964,15 +873,14 @@ if HAVE_TRITON:
                 tl.store(pl_ptr + row, l_i, mask=gm)
         else:
             if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
-                if PRELOAD_KV != 0:
+                if PRELOAD_KV:
                     if start < end:
                         m_i, l_i = _stats_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), m_i, l_i)
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    kt, _ = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN,
-                                      False, BLOCK_S, HD)
-                    m_i, l_i = _stats_step(_scores(q, kt, valid, q_ptr, scale, IEEE), m_i, l_i)
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                    m_i, l_i = _stats_step(sc, m_i, l_i)
             if PHASE == 1:
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
@@ -987,16 +895,15 @@ if HAVE_TRITON:
                     l_i = tl.sum(tl.where(sm, ls * tl.exp(ms - m_i[:, None]), 0.0), axis=1)
                 m_i = tl.where(gm, m_i, 0.0)  # padding query rows: no inf - inf
                 l_i = tl.where(gm, l_i, 1.0)
-                if PRELOAD_KV != 0:
+                if PRELOAD_KV:
                     if start < end:
                         acc = _exact_step(_scores(q, kt0, valid0, q_ptr, scale, IEEE), vt0, m_i, l_i, acc,
                                           vc_ptr, IEEE)
                 for s0 in range(lo, end, BLOCK_S):
                     offs = s0 + tl.arange(0, BLOCK_S)
                     valid = offs < end
-                    kt, vt = _kv_tiles(k_base, kv_delta, s_seq, s0, end, d, KV_EV, pos, knew, vnew, SUBST, KV_JOIN,
-                                       True, BLOCK_S, HD)
-                    acc = _exact_step(_scores(q, kt, valid, q_ptr, scale, IEEE), vt, m_i, l_i, acc, vc_ptr, IEEE)
+                    sc = _scores(q, _kv_tile(k_base, s_seq, offs, valid, d, KV_EV), valid, q_ptr, scale, IEEE)
+                    acc = _exact_step(sc, _kv_tile(v_base, s_seq, offs, valid, d, KV_EV), m_i, l_i, acc, vc_ptr, IEEE)
                 if NSPLIT == 1:
                     tl.store(o_ptr + b * (H * HD) + heads[:, None] * HD + d[None, :],
                              _to(acc, o_ptr), mask=gm[:, None])
@@ -1144,7 +1051,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
                        PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
-                       PIPE=bool(kn["PIPE"]), PRE_LAST=bool(kn.get("PRE_LAST", False)), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
+                       PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
@@ -1229,7 +1136,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     else:
         po = pm = pl = o
     args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
-            kc.stride(0), kc.stride(1), kc.stride(2), (vc.data_ptr() - kc.data_ptr()) // kc.element_size())
+            kc.stride(0), kc.stride(1), kc.stride(2))
     rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
     meta = dict(H=H, G=G, GP=max(16, _pow2(G)), HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                 BLOCK_S=int(ka["BLOCK_S"]), IEEE=dtype == torch.float32, PDL=_early(pdl, "attn"),
@@ -1242,13 +1149,11 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     l2_first = (_l2_whole(pdl, l2_next, ka["num_warps"], _L2_AT[KNOBS["l2"]["AT"]]) if l2_next is not None else {}
                 ) or _l2_prefetch("attn", pdl, w_gu, o, ka["num_warps"])
     l2_rest = _l2_prefetch("", pdl, w_gu, o, ka["num_warps"])
-    preload = {False: 0, True: 1, "wait": 2}[ka.get("PRELOAD_KV", False)]
     for i, phase in enumerate(phases):
         _attn_kernel[(B, KV, nsplit)](*args, pf_t, max(1, pf_t.numel() // _line(pf_t)), *rope, PHASE=phase,
                                       PF_LINE=_line(pf_t), PF_CHUNK=256 if pf and i == 0 else 0,
                                       FUSE_ROPE=fuse, WRITE_KV=fuse and i == 0,
-                                      PRELOAD_KV=preload, KV_JOIN=bool(ka.get("KV_JOIN", False)),
-                                      SUBST_KV=bool(ka.get("SUBST_KV", False)),
+                                      PRELOAD_KV=bool(ka.get("PRELOAD_KV", False)),
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
