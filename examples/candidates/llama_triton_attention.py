@@ -74,7 +74,7 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   softmax (+1.0%). Slower as measured: PRELOAD_KV with online softmax and fused RoPE (-5.6%;
   on the folded winner -1.7%, h200_variants_fold_attn.json; the block loaded right after the
   wait instead, at 4ecd9d3 and since removed: -2.3% on an H100, h100_variants_preload_wait.json,
-  -4.2% on the H200 with K and V in one load, h200_variants_attn_subst.json),
+  -4.1% on the H200, -3.6% with K and V in one load, h200_variants_attn_subst.json),
   PRE over all of qkv's or o's share of K (the registers it holds push the grid past one
   wave, so the next kernel launches late), EARLY_TRIGGER (-2%). Measured at e066641 and not
   kept (h200_variants_attn_subst.json, _rows_subst.json): this step's K/V row taken from the
