@@ -191,8 +191,17 @@ BF16_CASES = [
     {"rows": 1, "layers": [1], "knobs": FOLD | {"gemv_reduce_each_step": True, "qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
                                                 "lm_head": PIPE, "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
     {"rows": 2, "layers": [1, 3], "knobs": FOLD},
+    # the MLP in one kernel (gate_up's rows, then down's columns added into the other residual
+    # buffer): every layer (K ragged against BLOCK_K); whole K steps, PRE and the first down
+    # tile before the wait; PIPE on 16-row tiles
+    {"rows": 1, "knobs": FOLD | {"mlp": {"FUSED": True}}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_PRE": True},
+                                                   "gate_up": {"BLOCK_K": 32, "PRE": 2, "REDUCE_EACH": True}}},
+    {"rows": 1, "layers": [1], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_PRE": True},
+                                                "gate_up": {"BLOCK_K": 64, "BLOCK_N": 16} | PIPE}},
 ]
-FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26)]
+FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
+                                       27, 28)]
 
 
 SCRIPT_HELPERS = r'''
@@ -316,7 +325,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
                    "END_DOWN": True, "END_QKV": True}},
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
-            "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}}]
+            "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}},
+           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_PRE": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -348,7 +358,8 @@ for fn, grid, args, kw in launches:
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
-                    atomic_wanted=bool(consts.get("ATOMIC")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
+                    down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")),
+                    atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
 '''
@@ -390,9 +401,14 @@ def test_pdl_kernels_compile_for_sm90():
         assert r["evict"] == r["evict_wanted"], r
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
     # FOLD: the step's one norm-group kernel only gathers; qkv, gate_up and lm_head fold their
-    # norm in (qkv's split summing its row's squares apart), o and down add atomically
-    assert any(not r["norm"] for r in res) and sum(r["fold"] for r in res) == 3
-    assert sum(r["atomic"] for r in res) == 2
+    # norm in (qkv's split summing its row's squares apart), o and down add atomically; with the
+    # MLP fused (the last config) qkv also zeroes a buffer and one kernel folds, adds and loads
+    # its first down tile before the wait (lm_head and the gather as before, o another one)
+    assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 3
+    assert sum(r["atomic"] for r in res) == 4
+    fused = [r for r in res if r["down"]]
+    assert len(fused) == 1 and fused[0]["fold"] and fused[0]["atomic"] and fused[0]["load_before_wait"], fused
+    assert [r["fold"] for r in res if r["zero"]] == [True]
     assert any(r["maxnreg"] for r in res)
     bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}
     assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2), ("_gemv_kernel", 3)}, bulk
@@ -497,7 +513,7 @@ def test_weights_pulled_into_l2_as_the_gemv_before_them_ends():
 
 
 FOLD_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''
-apply_knobs(mod.KNOBS, {"norm": {"FOLD": True}})
+apply_knobs(mod.KNOBS, {"norm": {"FOLD": True}} | json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
 out = []
 for rows in (1, 2):
     launches.clear()
@@ -508,10 +524,17 @@ for rows in (1, 2):
         if fn.__name__ == "_add_norm_kernel":
             kinds.append("norm" if kw.get("NORM", True) else "gather")
         elif fn.__name__ == "_gemv_kernel":
-            kinds.append("gemv_fold" if kw["FOLD"] else "gemv_atomic" if kw["ATOMIC"] else "gemv")
+            kinds.append("gemv_mlp" if kw["DOWN"] else "gemv_fold" if kw["FOLD"] else "gemv_atomic" if kw["ATOMIC"]
+                         else "gemv")
         else:
             kinds.append(fn.__name__)
-    out.append({"rows": rows, "kinds": kinds})
+    # the residual buffers each GEMV reads (x), adds into (out) and zeroes (z)
+    bufs = [{"x": a[0].data_ptr(), "out": a[2].data_ptr(), "z": kw["z_ptr"].data_ptr() if kw["Z_BLOCK"] else None,
+             "z_block": kw["Z_BLOCK"], "down": a[1].shape[0] == 2 * cfg.intermediate_size and kw["DOWN"]
+             and kw["wd_ptr"].data_ptr() in {state.weights[f"model.layers.{i}.mlp.down_proj.weight"].data_ptr()
+                                             for i in range(cfg.num_layers)}}
+            for fn, grid, a, kw in launches if fn.__name__ == "_gemv_kernel"]
+    out.append({"rows": rows, "kinds": kinds, "gemvs": bufs})
 print("RESULTS " + json.dumps(out))
 '''
 
@@ -530,6 +553,31 @@ def test_folded_norms_launch_no_norm_kernels():
     assert "norm" not in one["kinds"] and n == 4
     assert two["kinds"].count("norm") == 2 * n + 1 and "gather" not in two["kinds"], two["kinds"]
     assert not {"gemv_fold", "gemv_atomic"} & set(two["kinds"])
+    assert not any(g["z"] or g["down"] for g in one["gemvs"] + two["gemvs"])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_fused_mlp_alternates_the_residual_buffers():
+    """KNOBS["mlp"]["FUSED"] with FOLD: per layer qkv, the attention, o, then one MLP kernel (no
+    down launch). The MLP reads the layer's residual and adds into the other buffer, which that
+    layer's qkv zeroed first; the two alternate, and lm_head reads the last MLP's output. A
+    batch of 2 runs as without it."""
+    one, two = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"),
+                                                 json.dumps({"mlp": {"FUSED": True}})], interpret=False)
+    layer = ["gemv_fold", "_rope_kv_kernel", "_attn_kernel", "_attn_kernel", "_attn_combine_kernel", "gemv_atomic",
+             "gemv_mlp"]
+    assert one["kinds"] == ["gather"] + layer * 4 + ["gemv_fold"], one["kinds"]
+    g = one["gemvs"]
+    qkv, o, mlp, lm = g[0:-1:3], g[1:-1:3], g[2:-1:3], g[-1]
+    assert all(m["down"] for m in mlp) and not any(x["down"] for x in qkv + o + [lm])
+    assert all(q["z_block"] >= 128 for q in qkv) and not any(x["z"] for x in o + mlp + [lm])
+    cur = qkv[0]["x"]
+    for q, a, m in zip(qkv, o, mlp):
+        assert q["x"] == a["out"] == m["x"] == cur  # the layer's residual: read, o adds into it
+        assert q["z"] == m["out"] != cur  # the other buffer: zeroed by qkv, the MLP's sum
+        cur = m["out"]
+    assert len({m["out"] for m in mlp}) == 2 and lm["x"] == cur
+    assert two["kinds"].count("norm") == 9 and "gemv_mlp" not in two["kinds"], two["kinds"]
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

@@ -205,6 +205,13 @@ KNOBS = {
     # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
     # not rounded where the reference rounds (the tolerance gate's concern)
     "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},
+    # FUSED (with FOLD): gate_up and down in one kernel. Each program makes gate_up's BLOCK_N
+    # rows of silu(gate) * up (gate_up's KNOBS), then multiplies them by the same columns of
+    # down and adds that [D] partial into the next residual buffer atomically (its program 0
+    # adds the residual itself; the next layer's qkv zeroes the buffer after this one): no down
+    # launch and no activation buffer. DOWN_PRE: the first down tile is loaded before the wait.
+    # EARLY_TRIGGER as the GEMV groups' (the next qkv launches at this kernel's entry)
+    "mlp": {"FUSED": False, "DOWN_PRE": False, "EARLY_TRIGGER": True},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -414,6 +421,14 @@ if HAVE_TRITON:
         return xt, wt, wu
 
     @triton.jit
+    def _down_tile(d_rows, c0, K, stride_dn, n_mask, BLOCK_K: tl.constexpr, EVW: tl.constexpr):
+        """The down weight's [BLOCK_N, BLOCK_K] tile of output columns c0.. for the program's
+        intermediate rows (d_rows: their [BLOCK_N, 1] pointers); zeros past K (none loaded)."""
+        cols = c0 + tl.arange(0, BLOCK_K)
+        m = n_mask[:, None] & (cols < K)[None, :]
+        return tl.load(d_rows + cols.to(tl.int64)[None, :] * stride_dn, mask=m, other=0.0, eviction_policy=EVW)
+
+    @triton.jit
     def _folded(xt, g_ptr, offs_k, K, EVEN_K: tl.constexpr):
         """A float32 residual tile [1, n] at columns offs_k -> (x * g, x * x): the norm weight
         g's columns applied, the squares for the row's rsqrt (zeros past K)."""
@@ -434,7 +449,8 @@ if HAVE_TRITON:
                      PIPE: tl.constexpr, EVW: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
-                     L2_CH: tl.constexpr):
+                     L2_CH: tl.constexpr, wd_ptr, stride_dj, stride_dn, DOWN: tl.constexpr,
+                     DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -463,6 +479,13 @@ if HAVE_TRITON:
         L2_AT 1 (at entry), 2 (after the wait) or 3 (at the end): the programs share out a bulk
         L2 prefetch of l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's
         weight rows).
+        DOWN (SILU, FOLD; KNOBS["mlp"]["FUSED"]): the BLOCK_N rows of silu(gate) * up are not
+        stored but multiplied by the same columns of the down weight (element (j, n) at
+        wd_ptr + j * stride_dj + n * stride_dn, n < K) and added into out[n] atomically, program
+        0 adding x[n] too (out: the next float32 residual, zeros before). DOWN_PRE: the first
+        [BLOCK_N, BLOCK_K] down tile is loaded before the wait.
+        Z_BLOCK > 0: program 0 zeroes z_ptr[:K] after the wait (the buffer a later fused MLP adds
+        into; Z_BLOCK a power of two >= K).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -489,6 +512,10 @@ if HAVE_TRITON:
             wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)  # [BLOCK_N, PRE_K]
             if SILU:
                 wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)
+        if DOWN:
+            d_rows = wd_ptr + offs_n.to(tl.int64)[:, None] * stride_dj
+            if DOWN_PRE:  # weights only
+                dt0 = _down_tile(d_rows, 0, K, stride_dn, n_mask, BLOCK_K, EVW)
         if PDL:
             if PF_STEPS > 0:  # weights only: no kernel writes them
                 rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -499,6 +526,9 @@ if HAVE_TRITON:
                     if SILU:
                         _prefetch(w_ptr + N_UP * stride_wn + rows + kk)
         _pdl_wait(PDL)
+        if Z_BLOCK > 0:  # the next residual buffer: its last reader ended before this wait
+            offs_z = tl.arange(0, Z_BLOCK)
+            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=(offs_z < K) & (offs_z * 0 + l2_pid == 0))
         if L2_AT == 2:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
@@ -597,7 +627,21 @@ if HAVE_TRITON:
             val = act * u
         else:
             val = acc
-        if ATOMIC:  # every split adds into the same row
+        if DOWN:  # these rows' share of down's product, into the next residual
+            av = tl.sum(_round(val, wd_ptr), axis=0)[:, None]  # [BLOCK_N, 1]: act, rounded as stored
+            if DOWN_PRE:
+                dt = dt0
+            else:
+                dt = _down_tile(d_rows, 0, K, stride_dn, n_mask, BLOCK_K, EVW)
+            for c0 in range(0, K, BLOCK_K):
+                dn = _down_tile(d_rows, c0 + BLOCK_K, K, stride_dn, n_mask, BLOCK_K, EVW)  # the next (none past K)
+                cols = c0 + tl.arange(0, BLOCK_K)
+                cm = cols < K
+                part = tl.sum(dt.to(tl.float32) * av, axis=0)  # [BLOCK_K]
+                part += tl.load(x_ptr + cols, mask=cm & (cols * 0 + l2_pid == 0), other=0.0)  # (a block mask)
+                tl.atomic_add(out_ptr + cols, part, mask=cm, sem="relaxed")
+                dt = dn
+        elif ATOMIC:  # every split adds into the same row
             out = out_ptr + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
             tl.atomic_add(out, val, mask=b_mask[:, None] & n_mask[None, :], sem="relaxed")
         else:
@@ -1013,7 +1057,7 @@ def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None, l2_next=None):
+          w_gu=None, l2_next=None, down=None, zero=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -1022,7 +1066,9 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     residual stream; KNOBS["norm"]["FOLD"]); into (float32 [B, N]) gets the product added
     (atomically, every split) and is returned. w_gu: the layer's gate_up weight, for
     _l2_prefetch; l2_next: a later GEMV's weight that the programs pull into L2 as they finish
-    (_l2_whole; in place of _l2_prefetch's).
+    (_l2_whole; in place of _l2_prefetch's). down (with silu, norm and into; KNOBS["mlp"]
+    ["FUSED"]): the down weight [K, N]: into (zeros) gets x + down(silu(gate) * up) added, the
+    MLP in one kernel. zero (float32 [K]): zeroed by the kernel after its wait.
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -1038,22 +1084,33 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
         bn = max(16, bn)
     if (norm is not None or into is not None) and (use_dot or B != 1):
         raise ValueError("a folded norm or an atomic add: one row, on the FMA path")
+    if down is not None and (not silu or norm is None or into is None or tuple(down.shape) != (K, N)):
+        raise ValueError("the fused MLP: silu, a folded norm, an output to add into and a [K, N] down weight")
+    if zero is not None and (zero.numel() != K or zero.dtype != torch.float32):
+        raise ValueError("the buffer to zero: float32 of K elements")
     dtype = torch.float32 if split > 1 or out_dtype is None else out_dtype
     out = into if into is not None else torch.empty(split, B, N, device=x.device, dtype=dtype)
     g, eps = norm if norm is not None else (w, 0.0)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
+    mlp = KNOBS.get("mlp", {})
+    wd = down if down is not None else w
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), *((0, out.stride(0)) if into is not None else out.stride()[:2]),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
                        REDUCE_EACH=bool(kn.get("REDUCE_EACH", KNOBS.get("gemv_reduce_each_step", False))),
                        BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
-                       PDL=_early(pdl, knob), PF_STEPS=max(0, pf_steps), PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
+                       PDL=_early(pdl, "mlp" if down is not None else knob), PF_STEPS=max(0, pf_steps),
+                       PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
                        g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
-                       BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1, ATOMIC=into is not None,
+                       BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1,
+                       ATOMIC=into is not None and down is None,
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
+                       wd_ptr=wd, stride_dj=wd.stride(1), stride_dn=wd.stride(0), DOWN=down is not None,
+                       DOWN_PRE=down is not None and bool(mlp.get("DOWN_PRE", False)),
+                       z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(K) if zero is not None else 0,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return out
@@ -1178,15 +1235,20 @@ def _decode(state, batch):
     fold = (B == 1 and B < int(KNOBS["gemv_dot_min_rows"]) and KNOBS["norm"].get("FOLD", False)
             and _stage("norm") and _stage("gemv"))
     x = torch.empty(B, D, device=dev, dtype=torch.float32 if fold else dtype)  # the residual stream
+    # KNOBS["mlp"]["FUSED"] (with FOLD): each layer's MLP adds x + its output into the other
+    # residual buffer (zeroed by the layer's qkv), and the two swap
+    fused = fold and bool(KNOBS.get("mlp", {}).get("FUSED", False))
+    x_next = torch.empty(B, D, device=dev, dtype=torch.float32) if fused else None
     h = x if fold else torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
     pdl = _pdl(dev)
     branch = None  # partials of the last projection, added to x by the next norm
     first = True
 
-    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None):
+    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None, **fold_kw):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
-        rms_norm(x) itself (the first after the embedding row's own kernel)."""
+        rms_norm(x) itself (the first after the embedding row's own kernel; fold_kw: _gemv's
+        down, into and zero)."""
         nonlocal first
         if first or not fold:
             _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl,
@@ -1194,7 +1256,7 @@ def _decode(state, batch):
         first = False
         if fold:
             return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu,
-                         l2_next=l2_next)
+                         l2_next=l2_next, **fold_kw)
         return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
     def project(a, weight, knob, w_gu=None, l2_next=None):
@@ -1208,7 +1270,8 @@ def _decode(state, batch):
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
-        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu)
+        qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu,
+                          **({"zero": x_next.view(-1)} if fused else {}))
         wo = w[p + "self_attn.o_proj.weight"]
         nq = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
               if l2.get("QKV_NEXT") and i + 1 < len(layers) and _stage("gemv") else None)
@@ -1216,6 +1279,11 @@ def _decode(state, batch):
                        w_gu=w_gu if _stage("gemv") else None, l2_next=nq)
         branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
+        if fused:  # x_next = x + mlp(x), one kernel
+            normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True, down=w_down,
+                        into=x_next)
+            x, x_next = x_next, x
+            continue
         act = normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True,
                           l2_next=w_down if l2.get("END_DOWN") else None)[0]
         nxt = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
