@@ -1094,7 +1094,6 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     grid = (triton.cdiv(N, bn), split, triton.cdiv(B, bb))
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
-    mlp = KNOBS.get("mlp", {})
     wd = down if down is not None else w
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), *((0, out.stride(0)) if into is not None else out.stride()[:2]),
@@ -1109,7 +1108,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        ATOMIC=into is not None and down is None,
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
                        wd_ptr=wd, stride_dj=wd.stride(1), stride_dn=wd.stride(0), DOWN=down is not None,
-                       DOWN_PRE=down is not None and bool(mlp.get("DOWN_PRE", False)),
+                       DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
                        z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(K) if zero is not None else 0,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
@@ -1237,7 +1236,7 @@ def _decode(state, batch):
     x = torch.empty(B, D, device=dev, dtype=torch.float32 if fold else dtype)  # the residual stream
     # KNOBS["mlp"]["FUSED"] (with FOLD): each layer's MLP adds x + its output into the other
     # residual buffer (zeroed by the layer's qkv), and the two swap
-    fused = fold and bool(KNOBS.get("mlp", {}).get("FUSED", False))
+    fused = fold and bool(KNOBS["mlp"]["FUSED"])
     x_next = torch.empty(B, D, device=dev, dtype=torch.float32) if fused else None
     h = x if fold else torch.empty(B, D, device=dev, dtype=dtype)  # its normed copy, input of the next GEMV
     emb = w["model.embed_tokens.weight"]
