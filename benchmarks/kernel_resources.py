@@ -51,6 +51,8 @@ def record(module, cfg) -> list[tuple]:
     tables = ref.tables(cfg, weights, 1024, torch.bfloat16, "cpu")
     k, v = new_cache(cfg, 1, 1024, torch.bfloat16, "cpu")
     state = State(cfg, weights, k, v, tables, tuple(range(cfg.num_layers)))
+    if hasattr(module, "prepare"):  # as the engine does at install
+        module.prepare(state)
     module._supported = lambda state, batch: True
     module._pdl_capable = lambda dev: True
     orig = JITFunction.__getitem__

@@ -90,8 +90,10 @@ for slot, n in enumerate(LENS):
     ref.forward(base, prefill_batch(torch.randint(0, cfg.vocab_size, (1, n), generator=g), torch.tensor([slot])))
 pristine = {name: t.clone() for name, t in weights.items()}
 
-def step(fwd, rows, layers):
+def step(fwd, rows, layers, prepare=None):
     st = State(cfg, weights, [t.clone() for t in k], [t.clone() for t in v], tables, layers)
+    if prepare is not None:  # as the engine does at install
+        prepare(st)
     slots = torch.tensor([2, 0, 1][:rows])  # rows in another order than their slots
     lens = torch.tensor([LENS[s] for s in slots.tolist()])
     out = fwd(st, decode_batch(torch.tensor([7, 11, 13][:rows]), lens, slots))
@@ -105,7 +107,7 @@ for case in cases:
     apply_knobs(mod.KNOBS, case.get("knobs", {}))
     layers = tuple(case["layers"]) if case.get("layers") is not None else base.layers
     r, rs, slots, lens = step(ref.forward, case["rows"], layers)
-    c, cs, _, _ = step(mod.forward, case["rows"], layers)
+    c, cs, _, _ = step(mod.forward, case["rows"], layers, getattr(mod, "prepare", None))
     owned = torch.zeros(SLOTS, MAX_SEQ, dtype=torch.bool)
     owned[slots, lens] = True
     kv_owned, kv_outside, kv_ref = 0.0, 0.0, 0.0
@@ -120,6 +122,7 @@ for case in cases:
         bitwise=bool(torch.equal(r, c)), allclose=bool(torch.allclose(c.float(), r.float(), 1e-2, 1e-2)),
         argmax_equal=bool(torch.equal(r.argmax(-1), c.argmax(-1))),
         kv_owned_diff=kv_owned, kv_outside_diff=kv_outside, kv_owned_ref=kv_ref,
+        prepared=sorted(cs.scratch), layers=list(layers),
         seconds=time.perf_counter() - t0, exact_softmax=bool(mod.KNOBS["attn"]["EXACT_SOFTMAX"]),
         weights_untouched=all(torch.equal(weights[n], t) for n, t in pristine.items()),
         used_triton=mod._supported(cs, decode_batch(torch.tensor([1]), torch.tensor([1]), torch.tensor([0])))))
@@ -199,9 +202,13 @@ BF16_CASES = [
                                                    "gate_up": {"BLOCK_K": 32, "PRE": 2, "REDUCE_EACH": True}}},
     {"rows": 1, "layers": [1], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_PRE": True},
                                                 "gate_up": {"BLOCK_K": 64, "BLOCK_N": 16} | PIPE}},
+    # ... down read from prepare's transposed copy (DOWN_T), with and without DOWN_PRE
+    {"rows": 1, "layers": [0, 3], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_T": True}}},
+    {"rows": 1, "layers": [2], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_T": True, "DOWN_PRE": True},
+                                                "gate_up": {"BLOCK_K": 32, "PRE": 1}}},
 ]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
-                                       27, 28)]
+                                       27, 28, 30)]
 
 
 SCRIPT_HELPERS = r'''
@@ -263,6 +270,8 @@ def test_triton_decode_under_the_interpreter(dtype):
         assert r["shape"][0] == r["case"]["rows"] and r["dtype"] == f"torch.{dtype}", what
         assert r["argmax_equal"], what
         assert r["weights_untouched"], what
+        mlp = r["case"].get("knobs", {}).get("mlp", {})  # prepare's copies: only with DOWN_T, one a layer
+        assert r["prepared"] == sorted(f"down_t.{i}" for i in r["layers"] if mlp.get("FUSED") and mlp.get("DOWN_T")), what
         assert r["kv_outside_diff"] == 0.0, f"{what}: wrote K/V outside the batch's cells"
         scale = max(1.0, r["max_ref"])
         folded = r["case"]["rows"] == 1 and r["case"].get("knobs", {}).get("norm", {}).get("FOLD", False)
@@ -326,13 +335,15 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True, "EARLY_TRIGGER": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False},
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
             "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}},
-           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_PRE": True}}]
+           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_PRE": True}},
+           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_T": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
     mod.KNOBS.update(json.loads(json.dumps(knobs0)))
     mod.KNOBS["pdl"]["enabled"] = True
     apply_knobs(mod.KNOBS, conf)
+    mod.prepare(state)
     for rows in (1, 2):  # the FMA GEMV and the tl.dot one
         mod.forward(state, decode_batch(torch.tensor([7, 11][:rows]), torch.tensor([5, 9][:rows]),
                                         torch.tensor([0, 1][:rows])))
@@ -402,12 +413,14 @@ def test_pdl_kernels_compile_for_sm90():
     assert {r["kernel"] for r in res if r["evict"]} == {"_gemv_kernel", "_attn_kernel"}
     # FOLD: the step's one norm-group kernel only gathers; qkv, gate_up and lm_head fold their
     # norm in (qkv's split summing its row's squares apart), o and down add atomically; with the
-    # MLP fused (the last config) qkv also zeroes a buffer and one kernel folds, adds and loads
-    # its first down tile before the wait (lm_head and the gather as before, o another one)
+    # MLP fused (the last two configs) qkv also zeroes a buffer and one kernel folds and adds,
+    # loading its first down tile before the wait with DOWN_PRE (lm_head and the gather as
+    # before, o another one)
     assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 3
-    assert sum(r["atomic"] for r in res) == 4
-    fused = [r for r in res if r["down"]]
-    assert len(fused) == 1 and fused[0]["fold"] and fused[0]["atomic"] and fused[0]["load_before_wait"], fused
+    assert sum(r["atomic"] for r in res) == 5  # the fold configs' o and down launches, the two fused MLPs
+    fused = [r for r in res if r["down"]]  # down in its own layout (its first tile before the wait) and transposed
+    assert len(fused) == 2 and all(r["fold"] and r["atomic"] for r in fused), fused
+    assert sorted(r["load_before_wait"] for r in fused) == [False, True], fused
     assert [r["fold"] for r in res if r["zero"]] == [True]
     assert any(r["maxnreg"] for r in res)
     bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}

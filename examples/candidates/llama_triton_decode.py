@@ -206,8 +206,10 @@ KNOBS = {
     # down and adds that [D] partial into the next residual buffer atomically (its program 0
     # adds the residual itself; the next layer's qkv zeroes the buffer after this one): no down
     # launch and no activation buffer. DOWN_PRE: the first down tile is loaded before the wait.
-    # EARLY_TRIGGER as the GEMV groups' (the next qkv launches at this kernel's entry)
-    "mlp": {"FUSED": False, "DOWN_PRE": False, "EARLY_TRIGGER": True},
+    # EARLY_TRIGGER as the GEMV groups' (the next qkv launches at this kernel's entry).
+    # DOWN_T: down read from a transposed copy that prepare makes ([intermediate, hidden]: a
+    # program's rows of it contiguous, 512-byte runs instead of 2 * BLOCK_N bytes a row)
+    "mlp": {"FUSED": False, "DOWN_PRE": False, "EARLY_TRIGGER": True, "DOWN_T": False},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -260,6 +262,15 @@ def _supported(state, batch) -> bool:
         return False
     hd = cfg.head_dim
     return hd % 2 == 0 and (hd & (hd - 1)) == 0 and cfg.num_heads % cfg.num_kv_heads == 0
+
+
+def prepare(state):
+    """KNOBS["mlp"]["FUSED"] with DOWN_T: each layer's down weight transposed once, into
+    state.scratch["down_t.{layer}"] ([intermediate, hidden], contiguous); nothing otherwise."""
+    if KNOBS["mlp"]["FUSED"] and KNOBS["mlp"]["DOWN_T"]:
+        for layer in state.layers:
+            down = state.weights[f"model.layers.{layer}.mlp.down_proj.weight"]
+            state.scratch[f"down_t.{layer}"] = down.t().contiguous()
 
 
 def forward(state, batch):
@@ -1275,6 +1286,8 @@ def _decode(state, batch):
         branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
         if fused:  # x_next = x + mlp(x), one kernel
+            if KNOBS["mlp"]["DOWN_T"]:  # the same [hidden, intermediate] matrix, rows of prepare's copy
+                w_down = state.scratch[f"down_t.{layer}"].t()
             normed_gemv(w_gu, w[p + "post_attention_layernorm.weight"], "gate_up", silu=True, down=w_down,
                         into=x_next)
             x, x_next = x_next, x
