@@ -137,12 +137,15 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   o_proj; GATE_UP_ROWS before KNOBS["l2"]["GATE_UP_STEPS"] replaced it): 1,250-1,321 against
   1,338 tok/s, slower the more rows (h200_variants_l2_tiles.json): those programs finish early
   but gate_up lasts as long as the other programs' chains of K steps (0.2 us a layer saved),
-  while the prefetch traffic stretches qkv by 2 us. Not measured yet: GATE_UP_STEPS (the next
-  K steps of every row, one instruction a row, from qkv or o_proj), END_DOWN and END_QKV (the
-  next GEMV's weight pulled into L2 as the programs of the one before finish: down's and the
-  next qkv's programs mostly cannot be resident beside gate_up's and down's, which hold
-  nearly all of the registers) and a GEMV group's maxnreg (with PIPE, two gate_up programs a
-  multiprocessor).
+  while the prefetch traffic stretches qkv by 2 us. Also slower (h200_variants_next_a3e0236.json):
+  GATE_UP_STEPS (the next K steps of every row, from qkv or o_proj) -2.3 to -4.6%, END_QKV and
+  END_DOWN (the next GEMV's weight pulled into L2 as the programs of the one before finish)
+  -3.8% and -5.8%, PIPE with a group's maxnreg (gate_up 128, down 64) -0.5 to -5.9%.
+- The MLP in one kernel (KNOBS["mlp"]["FUSED"], on an H100, h100_variants_mlp_fused.json):
+  994.0 against 1,054.3 tok/s; the kernel ends 37.5 us after o_proj against 35.0 for gate_up
+  and down, its 0.5M float32 atomics a layer costing more than the link it saves. With down
+  read from prepare's transposed copy (DOWN_T, +512 MiB; h100_variants_mlp_fused_down_t.json):
+  705.1 against 1,038 tok/s.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
