@@ -63,7 +63,7 @@ def test_ladder_files_are_current():
 # ---- the Triton kernels under the interpreter ------------------------------------------
 
 INTERPRETER_SCRIPT = r'''
-import json, os, sys
+import hashlib, json, os, sys
 assert os.environ.get("TRITON_INTERPRET") == "1"
 import torch
 from engine_server.candidate import load_module
@@ -123,6 +123,7 @@ for case in cases:
         argmax_equal=bool(torch.equal(r.argmax(-1), c.argmax(-1))),
         kv_owned_diff=kv_owned, kv_outside_diff=kv_outside, kv_owned_ref=kv_ref,
         prepared=sorted(cs.scratch), layers=list(layers),
+        digest=hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in [c] + cs.k_cache + cs.v_cache)).hexdigest(),
         seconds=time.perf_counter() - t0, exact_softmax=bool(mod.KNOBS["attn"]["EXACT_SOFTMAX"]),
         weights_untouched=all(torch.equal(weights[n], t) for n, t in pristine.items()),
         used_triton=mod._supported(cs, decode_batch(torch.tensor([1]), torch.tensor([1]), torch.tensor([0])))))
@@ -206,9 +207,25 @@ BF16_CASES = [
     {"rows": 1, "layers": [0, 3], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_T": True}}},
     {"rows": 1, "layers": [2], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_T": True, "DOWN_PRE": True},
                                                 "gate_up": {"BLOCK_K": 32, "PRE": 1}}},
+    # RoPE and the K/V write in qkv's kernel (ROPE), each beside its twin with RoPE in attention
+    # or in its own kernel (ROPE_TWINS: bitwise the same logits and caches): folded, with PRE and
+    # PIPE, 16-row tiles, exact softmax without the fold; batch 2 runs the tl.dot GEMV without it
+    {"rows": 1, "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "ROPE": True},
+                                 "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
+    {"rows": 1, "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 8},
+                                 "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 32, "PRE": 2, "ROPE": True}
+                                                   | PIPE, "attn": SPLITS | ONLINE | NOFUSE | EARLY}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 32, "PRE": 2}
+                                                   | PIPE, "attn": SPLITS | ONLINE | NOFUSE | EARLY}},
+    {"rows": 1, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 1, "BLOCK_N": 4, "ROPE": True}, "attn": SPLITS | EXACT}},
+    {"rows": 1, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 1, "BLOCK_N": 4}, "attn": SPLITS | EXACT}},
+    {"rows": 2, "layers": [1], "knobs": {"qkv": {"SPLIT_K": 1, "ROPE": True}}},
 ]
+ROPE_TWINS = [(32, 33), (34, 35), (36, 37)]  # BF16_CASES indices: (qkv's ROPE, the same without)
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
-                                       27, 28, 30)]
+                                       27, 28, 30, 34, 35, 38)]
+FP32_ROPE_TWINS = [(24, 25)]
 
 
 SCRIPT_HELPERS = r'''
@@ -290,6 +307,9 @@ def test_triton_decode_under_the_interpreter(dtype):
             # online softmax rounds p before normalising: bf16 noise, a few ulps of the logits
             assert r["max_diff"] <= 5e-2 * scale, what
             assert r["kv_owned_diff"] <= 5e-2 * max(1.0, r["kv_owned_ref"]), what
+    for i, j in FP32_ROPE_TWINS if dtype == "float32" else ROPE_TWINS:
+        assert results[i]["case"]["knobs"]["qkv"]["ROPE"] and "ROPE" not in results[j]["case"]["knobs"]["qkv"]
+        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's ROPE changed the step: {results[i]['case']}"
 
 
 # ---- the PDL path, compiled for sm_90 without a GPU ------------------------------------
@@ -336,7 +356,9 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
             "qkv": {"PRE": 1}, "o": {"PRE": 2, "EARLY_TRIGGER": True}, "gate_up": {"PRE": 1, "BLOCK_K": 32},
             "down": {"EARLY_TRIGGER": True}, "l2": {"GATE_UP_STEPS": 2, "BY": "attn", "AT": "entry"}},
            {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_PRE": True}},
-           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_T": True}}]
+           {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_T": True}},
+           {"norm": {"FOLD": True}, "qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "PRE": 4, "PIPE": True, "ROPE": True},
+            "attn": {"EXACT_SOFTMAX": False, "EARLY_INPUTS": True}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -369,7 +391,8 @@ for fn, grid, args, kw in launches:
                     evict="evict_first" in ptx or "evict_last" in ptx,
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
-                    down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")),
+                    down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")), rope=bool(consts.get("ROPE")),
+                    stores=ptx.count("st.global"),
                     atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
@@ -415,13 +438,18 @@ def test_pdl_kernels_compile_for_sm90():
     # norm in (qkv's split summing its row's squares apart), o and down add atomically; with the
     # MLP fused (the last two configs) qkv also zeroes a buffer and one kernel folds and adds,
     # loading its first down tile before the wait with DOWN_PRE (lm_head and the gather as
-    # before, o another one)
-    assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 3
-    assert sum(r["atomic"] for r in res) == 5  # the fold configs' o and down launches, the two fused MLPs
+    # before, o another one); the last config (qkv's ROPE) adds a qkv, a gate_up and a down
+    assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 5
+    assert sum(r["atomic"] for r in res) == 6  # the fold configs' o and down launches, the two fused MLPs
     fused = [r for r in res if r["down"]]  # down in its own layout (its first tile before the wait) and transposed
     assert len(fused) == 2 and all(r["fold"] and r["atomic"] for r in fused), fused
     assert sorted(r["load_before_wait"] for r in fused) == [False, True], fused
     assert [r["fold"] for r in res if r["zero"]] == [True]
+    # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
+    # its step inputs and weights loaded before the wait; its attention writes only its partials
+    rope = [r for r in res if r["rope"]]
+    assert len(rope) == 1 and rope[0]["fold"] and rope[0]["stores"] == 3 and not rope[0]["atomic"], rope
+    assert rope[0]["load_before_wait"], rope
     assert any(r["maxnreg"] for r in res)
     bulk = {(r["kernel"], r["l2_at"]) for r in res if r["bulk"]}
     assert bulk == {("_attn_kernel", 1), ("_gemv_kernel", 1), ("_gemv_kernel", 2), ("_gemv_kernel", 3)}, bulk

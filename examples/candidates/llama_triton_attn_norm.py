@@ -170,9 +170,13 @@ KNOBS = {
     # at most its share of K): the loads are in flight while the kernel before it runs.
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
-    # that more of its programs fit on a multiprocessor
+    # that more of its programs fit on a multiprocessor.
+    # qkv's ROPE (batch 1, FMA GEMV, SPLIT_K 1): qkv's programs RoPE their q and k rows and write
+    # q, and this step's K/V cell, themselves (each program's rows are the rotate-half pairs
+    # of one head), so the attention kernel loads q and its K/V tiles at once after its wait:
+    # no RoPE kernel, no RoPE or cache write in attention (FUSE_ROPE unused)
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
-            "PIPE": False},
+            "PIPE": False, "ROPE": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
           "PIPE": False},
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -464,7 +468,9 @@ if HAVE_TRITON:
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
                      L2_CH: tl.constexpr, wd_ptr, stride_dj, stride_dn, DOWN: tl.constexpr,
-                     DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr):
+                     DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr,
+                     ROPE: tl.constexpr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                     stride_cos, s_slot, s_head, s_seq, RH: tl.constexpr, RKV: tl.constexpr, RHD: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -500,11 +506,25 @@ if HAVE_TRITON:
         [BLOCK_N, BLOCK_K] down tile is loaded before the wait.
         Z_BLOCK > 0: program 0 zeroes z_ptr[:K] after the wait (the buffer a later fused MLP adds
         into; Z_BLOCK a power of two >= K).
+        ROPE (B == 1, SPLIT_K == 1, the FMA path; w the qkv weight of RH q heads, then RKV k and
+        RKV v heads of RHD dims, BLOCK_N even and dividing RHD): program n's rows are dims
+        j*BLOCK_N/2 + i and the same + RHD/2 (i < BLOCK_N/2) of head n // (RHD / BLOCK_N), so each
+        row's rotate-half partner is in the program. Nothing goes to out: each row is rounded to
+        the model dtype as the reference's projection output is, q and k rows RoPE'd as
+        common.apply_rope rounds (each product, then their sum; table rows cos_ptr / sin_ptr at
+        pos_ptr[0], loaded before the wait: step inputs), and stored: q rows into q_ptr [RH*RHD],
+        k and v rows into the cache cell (slot_ptr[0], head, pos_ptr[0]) of kc_ptr / vc_ptr.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_b = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:  # one head's rotate-half pairs: dims j*BLOCK_N/2 + i and that + RHD/2
+            ri = tl.arange(0, BLOCK_N)
+            r_head = pid_n // (RHD // BLOCK_N)
+            r_dim = (pid_n % (RHD // BLOCK_N)) * (BLOCK_N // 2) + ri % (BLOCK_N // 2) + (RHD // 2) * (ri // (BLOCK_N // 2))
+            offs_n = r_head * RHD + r_dim
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
         b_mask = offs_b < B
@@ -526,6 +546,11 @@ if HAVE_TRITON:
             wp = tl.load(w_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)  # [BLOCK_N, PRE_K]
             if SILU:
                 wpu = tl.load(wu_rows + offs_p[None, :], mask=pm, other=0.0, eviction_policy=EVW)
+        if ROPE:  # the step's position, slot and RoPE table rows: inputs, no kernel writes them
+            r_pos = tl.load(pos_ptr).to(tl.int32)
+            r_slot = tl.load(slot_ptr)
+            r_c = tl.load(cos_ptr + r_pos * stride_cos + r_dim).to(tl.float32)
+            r_sn = tl.load(sin_ptr + r_pos * stride_cos + r_dim).to(tl.float32)
         if DOWN:
             d_rows = wd_ptr + offs_n.to(tl.int64)[:, None] * stride_dj
             if DOWN_PRE:  # weights only
@@ -655,6 +680,19 @@ if HAVE_TRITON:
                 part += tl.load(x_ptr + cols, mask=cm & (cols * 0 + l2_pid == 0), other=0.0)  # (a block mask)
                 tl.atomic_add(out_ptr + cols, part, mask=cm, sem="relaxed")
                 dt = dn
+        elif ROPE:  # q and k RoPE'd, then q to q_ptr and this step's k and v to the cache
+            xr = _round(tl.sum(val, axis=0), kc_ptr)  # [BLOCK_N]: the projection's output
+            partner = (ri + BLOCK_N // 2) % BLOCK_N
+            xp = tl.sum(tl.where(partner[:, None] == ri[None, :], xr[None, :], 0.0), axis=1)
+            roped = _round(_round(xr * r_c, kc_ptr) + _round(xp * r_sn, kc_ptr), kc_ptr)
+            hv = r_head + 0 * ri  # full-shape compares: the interpreter rejects scalar masks
+            is_k = (hv >= RH) & (hv < RH + RKV)
+            is_v = hv >= RH + RKV
+            cell = r_slot.to(tl.int64) * s_slot + r_pos.to(tl.int64) * s_seq + r_dim
+            tl.store(q_ptr + tl.minimum(hv, RH - 1) * RHD + r_dim, _to(roped, q_ptr), mask=hv < RH)
+            tl.store(kc_ptr + cell + tl.minimum(tl.maximum(hv - RH, 0), RKV - 1) * s_head, _to(roped, kc_ptr),
+                     mask=is_k)
+            tl.store(vc_ptr + cell + tl.maximum(hv - RH - RKV, 0) * s_head, _to(xr, vc_ptr), mask=is_v)
         elif ATOMIC:  # every split adds into the same row
             out = out_ptr + offs_b.to(tl.int64)[:, None] * stride_ob + offs_n[None, :]
             tl.atomic_add(out, val, mask=b_mask[:, None] & n_mask[None, :], sem="relaxed")
@@ -1071,7 +1109,7 @@ def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None, l2_next=None, down=None, zero=None):
+          w_gu=None, l2_next=None, down=None, zero=None, rope=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -1083,6 +1121,9 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     (_l2_whole; in place of _l2_prefetch's). down (with silu, norm and into; KNOBS["mlp"]
     ["FUSED"]): the down weight [K, N]: into (zeros) gets x + down(silu(gate) * up) added, the
     MLP in one kernel. zero (float32 [K]): zeroed by the kernel after its wait.
+    rope (batch 1, SPLIT_K 1; _decode's tuple: q [1, 1, H*hd], the cos / sin tables, positions,
+    slots, the layer's K and V caches, H, KV, hd): w is qkv's weight; the kernel RoPEs q and
+    k, writes q into q and this step's k and v into the caches, and q is returned.
     """
     kn = KNOBS[knob]
     B, K = x.shape
@@ -1102,6 +1143,13 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
         raise ValueError("the fused MLP: silu, a folded norm, an output to add into and a [K, N] down weight")
     if zero is not None and (zero.numel() != K or zero.dtype != torch.float32):
         raise ValueError("the buffer to zero: float32 of K elements")
+    if rope is not None:
+        q, cos, sin, pos, slots, kc, vc, H, KV, hd = rope
+        if use_dot or B != 1 or split != 1 or silu or into is not None or N != (H + 2 * KV) * hd or bn % 2 or hd % bn:
+            raise ValueError("qkv's RoPE: one row, unsplit, BLOCK_N even and dividing the head dim")
+    else:
+        q = cos = sin = pos = slots = kc = vc = w
+        H = KV = hd = 1
     dtype = torch.float32 if split > 1 or out_dtype is None else out_dtype
     out = into if into is not None else torch.empty(split, B, N, device=x.device, dtype=dtype)
     g, eps = norm if norm is not None else (w, 0.0)
@@ -1124,15 +1172,21 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        wd_ptr=wd, stride_dj=wd.stride(1), stride_dn=wd.stride(0), DOWN=down is not None,
                        DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
                        z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(K) if zero is not None else 0,
+                       ROPE=rope is not None, q_ptr=q, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos, slot_ptr=slots,
+                       kc_ptr=kc, vc_ptr=vc, stride_cos=cos.stride(0) if rope is not None else 0,
+                       **(dict(zip(("s_slot", "s_head", "s_seq"), kc.stride()[:3])) if rope is not None
+                          else dict(s_slot=0, s_head=0, s_seq=0)),
+                       RH=H, RKV=KV, RHD=hd,
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
-    return out
+    return q if rope is not None else out
 
 
-def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None):
-    """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off)."""
+def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None, rope=None):
+    """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off;
+    rope: _gemv's, with the GEMV stage on)."""
     if _stage("gemv"):
-        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
+        return _gemv(x, w, knob, out_dtype=x.dtype, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, rope=rope)
     if silu:
         gate, up = F.linear(x, w).chunk(2, dim=-1)
         return (F.silu(gate) * up)[None]
@@ -1164,9 +1218,12 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None):
+def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None,
+               roped=False):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
-    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. With PDL and
+    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. roped (the
+    attention stage on): qkv is q [1, B, H*hd], RoPE'd, and this step's K/V are written (qkv's
+    ROPE): the attention kernels only read. With PDL and
     KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
     w_gu (the layer's gate_up weight) as _l2_prefetch says, or all of l2_next (the next
     layer's qkv weight, KNOBS["l2"]["QKV_NEXT"]) at KNOBS["l2"]["AT"] in its place."""
@@ -1184,9 +1241,11 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     kc, vc = state.k_cache[layer], state.v_cache[layer]
     cos, sin = state.tables["rope_cos"], state.tables["rope_sin_rot"]
     ka = KNOBS["attn"]
-    fuse = bool(ka.get("FUSE_ROPE", False))
+    fuse = bool(ka.get("FUSE_ROPE", False)) and not roped
     o = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
-    if fuse:
+    if roped:
+        q = qkv[0]
+    elif fuse:
         q = o  # unused: the attention kernels RoPE q themselves (and write this step's K/V)
     else:
         q = torch.empty(B, H * hd, device=qkv.device, dtype=dtype)
@@ -1258,10 +1317,10 @@ def _decode(state, batch):
     branch = None  # partials of the last projection, added to x by the next norm
     first = True
 
-    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None, **fold_kw):
+    def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None, rope=None, **fold_kw):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
         rms_norm(x) itself (the first after the embedding row's own kernel; fold_kw: _gemv's
-        down, into and zero)."""
+        down, into and zero). rope: _gemv's."""
         nonlocal first
         if first or not fold:
             _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl,
@@ -1269,8 +1328,8 @@ def _decode(state, batch):
         first = False
         if fold:
             return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu,
-                         l2_next=l2_next, **fold_kw)
-        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
+                         l2_next=l2_next, rope=rope, **fold_kw)
+        return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, rope=rope)
 
     def project(a, weight, knob, w_gu=None, l2_next=None):
         """The branch for the next norm to add (FOLD: added into x now, none left)."""
@@ -1279,17 +1338,24 @@ def _decode(state, batch):
             return None
         return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
+    # KNOBS["qkv"]["ROPE"] (batch 1, FMA GEMVs): qkv's kernel RoPEs q and k and writes q and the
+    # step's K/V itself (_gemv's rope); the attention kernels only read
+    roped = (B == 1 and B < int(KNOBS["gemv_dot_min_rows"]) and bool(KNOBS["qkv"].get("ROPE", False))
+             and _stage("gemv") and _stage("attention"))
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers, l2 = list(state.layers), KNOBS["l2"]
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
+        rope = ((torch.empty(1, B, H * hd, device=dev, dtype=dtype), t["rope_cos"], t["rope_sin_rot"], pos, slots,
+                 state.k_cache[layer], state.v_cache[layer], H, KV, hd) if roped else None)
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu,
-                          **({"zero": x_next.view(-1)} if fused else {}))
+                          rope=rope, **({"zero": x_next.view(-1)} if fused else {}))
         wo = w[p + "self_attn.o_proj.weight"]
         nq = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
               if l2.get("QKV_NEXT") and i + 1 < len(layers) and _stage("gemv") else None)
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
-                       w_gu=w_gu if _stage("gemv") else None, l2_next=nq)
+                       w_gu=w_gu if _stage("gemv") else None, l2_next=nq, roped=roped)
         branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
         if fused:  # x_next = x + mlp(x), one kernel
