@@ -26,7 +26,8 @@ Per layer, decode (B rows, D hidden, H q heads, KV kv heads, hd head dim, I inte
 
     add_norm      x += sum(partials); h = rms_norm(x)       (first layer: x = embed[tokens])
     gemv qkv      partials[s] = h @ Wqkv[:, ks]^T           (split-K s, float32 partials)
-    rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v  (FUSE_ROPE: in attn)
+    rope_kv       q = rope(sum partials); K/V cell of (slot, pos) <- rope(k), v  (FUSE_ROPE: in attn;
+                  qkv's ROPE: in qkv's epilogue)
     attn_split    flash-decode over positions 0..pos of the row's own slot, sequence split
                   (exact softmax: a statistics pass first, one more launch)
     attn_combine  merge the splits (skipped when NSPLIT == 1)
@@ -145,6 +146,10 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   and down, its 0.5M float32 atomics a layer costing more than the link it saves. With down
   read from prepare's transposed copy (DOWN_T, +512 MiB; h100_variants_mlp_fused_down_t.json):
   705.1 against 1,038 tok/s.
+- RoPE and the K/V write in qkv's kernel (KNOBS["qkv"]["ROPE"], on an H100,
+  h100_variants_qkv_rope.json): 1,050.0-1,050.9 against 1,054.9-1,056.0 tok/s; the attention
+  kernel, now only loads and arithmetic after its wait, ends 4.89 us after qkv against 4.94 with
+  its RoPE, cache write and barrier, and qkv ends 0.55 us later.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
