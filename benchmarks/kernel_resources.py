@@ -104,8 +104,10 @@ def compile_sm90(fn, args, kw):
     from triton.backends.compiler import GPUTarget
     sig, consts, attrs = specialise(fn, args, kw)
     opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if o in kw}
-    return triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=opts)
+    source = triton.compiler.ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def usage(cubin: bytes) -> dict:

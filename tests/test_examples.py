@@ -328,6 +328,7 @@ from engine_server.weights import init_weights
 
 mod = load_module("launches", open(sys.argv[1]).read())
 mod._supported = lambda state, batch: True
+mod._smem_capable = lambda dev: 232448 if getattr(mod, "HAVE_GLUON", False) else 0  # an H100's, for KNOBS["qkv"]["SMEM"]
 mod._pdl_capable = lambda dev: True
 launches = []
 JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self, grid, args, kw)))
@@ -358,7 +359,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_PRE": True}},
            {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_T": True}},
            {"norm": {"FOLD": True}, "qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "PRE": 4, "PIPE": True, "ROPE": True},
-            "attn": {"EXACT_SOFTMAX": False, "EARLY_INPUTS": True}}]
+            "attn": {"EXACT_SOFTMAX": False, "EARLY_INPUTS": True}},
+           {"norm": {"FOLD": True}, "qkv": {"SMEM": True, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -392,7 +394,8 @@ for fn, grid, args, kw in launches:
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
                     down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")), rope=bool(consts.get("ROPE")),
-                    stores=ptx.count("st.global"),
+                    stores=ptx.count("st.global"), cp_async=ptx.count("cp.async.cg.shared.global"),
+                    cp_async_before_wait=-1 < ptx.find("cp.async.cg.shared.global") < ptx.find("griddepcontrol.wait"),
                     atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
 print("RESULTS " + json.dumps(out))
@@ -411,7 +414,7 @@ def test_pdl_kernels_compile_for_sm90():
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
     assert kernels == {"_add_norm_kernel", "_gemv_kernel", "_rope_kv_kernel", "_attn_kernel",
-                       "_attn_combine_kernel"}, kernels
+                       "_attn_combine_kernel", "_gemv_smem_kernel"}, kernels
     for r in res:
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
@@ -447,6 +450,11 @@ def test_pdl_kernels_compile_for_sm90():
     assert [r["fold"] for r in res if r["zero"]] == [True]
     # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
     # its step inputs and weights loaded before the wait; its attention writes only its partials
+    # qkv's SMEM (the last config, batch 1): the Gluon kernel copies its 32 rows of qkv's weight
+    # (the shrunk preset's 128 bf16 columns each) into shared memory before its wait, 16 bytes
+    # a thread a copy on 4 warps
+    smem = [r for r in res if r["kernel"] == "_gemv_smem_kernel"]
+    assert len(smem) == 1 and smem[0]["cp_async"] == 32 * 128 * 2 // (16 * 128) and smem[0]["cp_async_before_wait"], smem
     rope = [r for r in res if r["rope"]]
     assert len(rope) == 1 and rope[0]["fold"] and rope[0]["stores"] == 3 and not rope[0]["atomic"], rope
     assert rope[0]["load_before_wait"], rope

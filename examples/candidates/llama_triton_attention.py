@@ -177,12 +177,18 @@ KNOBS = {
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor.
+    # qkv's SMEM (batch 1 with the norm folded, on CUDA; Gluon): each program copies its BLOCK_N
+    # rows of qkv's weight whole into shared memory (cp.async, evict-first with the L2 knob)
+    # before its wait and sums them from there after it, its registers free of them (so more
+    # of its programs fit beside the kernel before); BLOCK_K the columns of a copy and a step,
+    # num_warps its warps. PRE, PIPE and SPLIT_K unused; without CUDA or Gluon it is the
+    # Triton GEMV as if off.
     # qkv's ROPE (batch 1, FMA GEMV, SPLIT_K 1): qkv's programs RoPE their q and k rows and write
     # q, and this step's K/V cell, themselves (each program's rows are the rotate-half pairs
     # of one head), so the attention kernel loads q and its K/V tiles at once after its wait:
     # no RoPE kernel, no RoPE or cache write in attention (FUSE_ROPE unused)
     "qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
-            "PIPE": False, "ROPE": False},
+            "PIPE": False, "ROPE": False, "SMEM": False},
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
           "PIPE": False},
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
@@ -262,6 +268,14 @@ try:  # Triton is optional: without it every call runs the reference
     HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - ImportError, or a broken install
     HAVE_TRITON = False
+
+try:  # Gluon (Triton's explicit-layout dialect): only for KNOBS["qkv"]["SMEM"], on CUDA
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _gl_cp
+    HAVE_GLUON = HAVE_TRITON
+except Exception:  # noqa: BLE001 - an older Triton, or none
+    HAVE_GLUON = False
 
 
 def _interpreting() -> bool:
@@ -1036,6 +1050,65 @@ if HAVE_TRITON:
         tl.store(o_ptr + bh * HD + d, _to(out, o_ptr))
 
 
+if HAVE_GLUON:
+
+    # Triton 3.6 names the global -> shared copy async_copy_global_to_shared, later ones async_load
+    _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
+
+    @gluon.jit
+    def _gl_gdc(WAIT: gl.constexpr):
+        """griddepcontrol.wait (WAIT) or .launch_dependents: as _pdl_wait / _pdl_enter."""
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gemv_smem_kernel(x_ptr, w_ptr, out_ptr, g_ptr, eps, N, stride_wn, K: gl.constexpr,
+                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr,
+                          EVW: gl.constexpr):
+        """out[n] = (rms_norm(x) * g) . w[n] for B == 1 (x: the float32 residual, K columns, a
+        multiple of BLOCK_K; the FOLD GEMV of _gemv_kernel), one program per BLOCK_N rows.
+
+        Before its PDL wait the program copies its rows of w whole into shared memory
+        (cp.async, 16 bytes a thread a copy; EVW the L2 eviction policy): weights only, which
+        no kernel writes. After it, each of K / BLOCK_K steps loads the x and g columns, sums
+        the squares and adds the rows' products from shared memory; the output is scaled by
+        rsqrt(sum / K + eps) and stored in out's dtype. PDL 1: the next kernel may launch after
+        the wait; 2: at entry. NW: the launch's num_warps (the layouts' warps)."""
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [NW, 1], [1, 0])
+        S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        STEPS: gl.constexpr = K // BLOCK_K
+        pid = gl.program_id(0)
+        rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+        cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, L))
+        nm = rows < N
+        m2 = nm[:, None] & (cols < BLOCK_K)[None, :]
+        ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + cols[None, :]
+        smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STEPS, BLOCK_N, BLOCK_K], S)
+        if PDL == 2:
+            _gl_gdc(False)
+        for j in gl.static_range(STEPS):
+            _gl_copy(smem.index(j), ptrs + j * BLOCK_K, mask=m2, eviction_policy=EVW)
+        _gl_cp.commit_group()
+        if PDL:
+            _gl_gdc(True)
+            if PDL == 1:
+                _gl_gdc(False)
+        acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
+        ss = gl.zeros([BLOCK_K], gl.float32, layout=gl.SliceLayout(0, L))
+        _gl_cp.wait_group(0)
+        for j in range(STEPS):
+            xk = gl.load(x_ptr + j * BLOCK_K + cols)
+            gk = gl.load(g_ptr + j * BLOCK_K + cols).to(gl.float32)
+            ss += xk * xk
+            w = smem.index(j).load(L).to(gl.float32)
+            acc += gl.sum(w * (xk * gk)[None, :], axis=1)
+        r = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
+        gl.store(out_ptr + rows, (acc * r).to(out_ptr.dtype.element_ty), mask=nm)
+
+
 # ---- launchers -------------------------------------------------------------------------
 
 def _pow2(n: int) -> int:
@@ -1134,6 +1207,10 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     kn = KNOBS[knob]
     B, K = x.shape
     N = w.shape[0] // 2 if silu else w.shape[0]
+    if kn.get("SMEM") and norm is not None and not silu and into is None and rope is None and zero is None:
+        limit = _smem_capable(x.device)
+        if limit:
+            return _gemv_smem(x, w, knob, out_dtype or x.dtype, pdl, norm, limit)
     split = 1 if silu or knob == "lm_head" else max(1, int(kn["SPLIT_K"]))
     bn, bk = int(kn["BLOCK_N"]), int(kn["BLOCK_K"])
     k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
@@ -1186,6 +1263,35 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        num_warps=kn["num_warps"], num_stages=kn["num_stages"],
                        **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}), **_launch(pdl))
     return q if rope is not None else out
+
+
+def _smem_capable(dev: torch.device) -> int:
+    """The shared memory a program may take on `dev` where Gluon's kernels run (CUDA, compute
+    capability 8.0 or newer, not the interpreter); 0 elsewhere."""
+    if not HAVE_GLUON or dev.type != "cuda" or _interpreting() or torch.cuda.get_device_capability(dev)[0] < 8:
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 0))
+
+
+def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
+    """_gemv's FOLD GEMV (one row, unsplit) by _gemv_smem_kernel: [1, 1, N] in out_dtype
+    (limit: the shared memory a program may take)."""
+    kn = KNOBS[knob]
+    (_, K), N = x.shape, w.shape[0]
+    bn, bk, nw = int(kn["BLOCK_N"]), int(kn["BLOCK_K"]), int(kn["num_warps"])
+    smem = bn * K * w.element_size()
+    if K % bk or bk & (bk - 1) or not 8 <= bk <= 256 or bn & (bn - 1) or smem > limit - 1024:
+        raise ValueError(f"{knob}'s SMEM: BLOCK_K {bk} a power of two in 8..256 dividing K {K}, BLOCK_N {bn} a "
+                         f"power of two whose rows ({smem} bytes) fit in shared memory ({limit})")
+    out = torch.empty(1, 1, N, device=x.device, dtype=out_dtype)
+    g, eps = norm
+    _gemv_smem_kernel[(triton.cdiv(N, bn),)](x, w, out, g, eps, N, w.stride(0), K=K, BLOCK_N=bn, BLOCK_K=bk, NW=nw,
+                                             PDL=_early(pdl, knob),
+                                             EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
+                                             num_warps=nw,
+                                             **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}),
+                                             **_launch(pdl))
+    return out
 
 
 def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None, rope=None):

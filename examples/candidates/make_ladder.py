@@ -55,9 +55,9 @@ WINNERS = {
           '          "EARLY_TRIGGER": True,'),
          ('"combine": {"num_warps": 2, "EARLY_TRIGGER": False},', '"combine": {"num_warps": 1, "EARLY_TRIGGER": True},'),
          ('"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,\n'
-          '            "PIPE": False, "ROPE": False},',
+          '            "PIPE": False, "ROPE": False, "SMEM": False},',
           '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,\n'
-          '            "PIPE": True, "ROPE": False},'),
+          '            "PIPE": True, "ROPE": False, "SMEM": False},'),
          ('"down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,',
           '"down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,\n'
           '             "EARLY_TRIGGER": True,'),
