@@ -90,6 +90,9 @@ def specialise(fn, args, kw) -> tuple[dict, dict, dict]:
             aligned = a.data_ptr() % 16 == 0
         elif isinstance(a, float):
             sig[p.name], aligned = "fp32", False
+        elif not isinstance(a, int):  # a tensor descriptor (Gluon's TMA): the JIT's own type string
+            from triton.runtime.jit import mangle_type
+            sig[p.name], aligned = mangle_type(a), False
         else:
             sig[p.name] = "i64" if abs(int(a)) >= 2 ** 31 else "i32"
             aligned = int(a) % 16 == 0 and int(a) != 0

@@ -360,7 +360,8 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True}, "mlp": {"FUSED": True, "DOWN_T": True}},
            {"norm": {"FOLD": True}, "qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "PRE": 4, "PIPE": True, "ROPE": True},
             "attn": {"EXACT_SOFTMAX": False, "EARLY_INPUTS": True}},
-           {"norm": {"FOLD": True}, "qkv": {"SMEM": True, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}}]
+           {"norm": {"FOLD": True}, "qkv": {"SMEM": "async", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}},
+           {"norm": {"FOLD": True}, "qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -395,6 +396,8 @@ for fn, grid, args, kw in launches:
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
                     down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")), rope=bool(consts.get("ROPE")),
                     stores=ptx.count("st.global"), cp_async=ptx.count("cp.async.cg.shared.global"),
+                    tma=ptx.count("cp.async.bulk.tensor"),
+                    tma_before_wait=-1 < ptx.find("cp.async.bulk.tensor") < ptx.find("griddepcontrol.wait"),
                     cp_async_before_wait=-1 < ptx.find("cp.async.cg.shared.global") < ptx.find("griddepcontrol.wait"),
                     atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
@@ -450,11 +453,13 @@ def test_pdl_kernels_compile_for_sm90():
     assert [r["fold"] for r in res if r["zero"]] == [True]
     # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
     # its step inputs and weights loaded before the wait; its attention writes only its partials
-    # qkv's SMEM (the last config, batch 1): the Gluon kernel copies its 32 rows of qkv's weight
-    # (the shrunk preset's 128 bf16 columns each) into shared memory before its wait, 16 bytes
-    # a thread a copy on 4 warps
+    # qkv's SMEM (the last two configs, batch 1): the Gluon kernel copies its 32 rows of qkv's
+    # weight (the shrunk preset's 128 bf16 columns each) into shared memory before its wait:
+    # "async" 16 bytes a thread a copy on 4 warps, "tma" one bulk tensor copy a 64-column box
     smem = [r for r in res if r["kernel"] == "_gemv_smem_kernel"]
-    assert len(smem) == 1 and smem[0]["cp_async"] == 32 * 128 * 2 // (16 * 128) and smem[0]["cp_async_before_wait"], smem
+    assert len(smem) == 2, smem
+    assert smem[0]["cp_async"] == 32 * 128 * 2 // (16 * 128) and smem[0]["cp_async_before_wait"] and not smem[0]["tma"]
+    assert smem[1]["tma"] == 128 // 64 and smem[1]["tma_before_wait"] and not smem[1]["cp_async"], smem
     rope = [r for r in res if r["rope"]]
     assert len(rope) == 1 and rope[0]["fold"] and rope[0]["stores"] == 3 and not rope[0]["atomic"], rope
     assert rope[0]["load_before_wait"], rope

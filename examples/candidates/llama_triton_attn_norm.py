@@ -177,11 +177,12 @@ KNOBS = {
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor.
     # qkv's SMEM (batch 1 with the norm folded, on CUDA; Gluon): each program copies its BLOCK_N
-    # rows of qkv's weight whole into shared memory (cp.async, evict-first with the L2 knob)
-    # before its wait and sums them from there after it, its registers free of them (so more
-    # of its programs fit beside the kernel before); BLOCK_K the columns of a copy and a step,
-    # num_warps its warps. PRE, PIPE and SPLIT_K unused; without CUDA or Gluon it is the
-    # Triton GEMV as if off.
+    # rows of qkv's weight whole into shared memory before its wait ("async": cp.async, 16 bytes
+    # a thread a copy, evict-first with the L2 knob; "tma": bulk tensor copies, one thread
+    # issuing [BLOCK_N, BLOCK_K] boxes) and sums them from there after it, its registers free of
+    # them (so more of its programs fit beside the kernel before); BLOCK_K the columns of a copy
+    # and a step, num_warps its warps. PRE, PIPE and SPLIT_K unused; without CUDA or Gluon it
+    # is the Triton GEMV as if off.
     # qkv's ROPE (batch 1, FMA GEMV, SPLIT_K 1): qkv's programs RoPE their q and k rows and write
     # q, and this step's K/V cell, themselves (each program's rows are the rotate-half pairs
     # of one head), so the attention kernel loads q and its K/V tiles at once after its wait:
@@ -272,6 +273,8 @@ try:  # Gluon (Triton's explicit-layout dialect): only for KNOBS["qkv"]["SMEM"],
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _gl_cp
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier as _gl_mb, tma as _gl_tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # noqa: BLE001 - an older Triton, or none
     HAVE_GLUON = False
@@ -1053,6 +1056,7 @@ if HAVE_GLUON:
 
     # Triton 3.6 names the global -> shared copy async_copy_global_to_shared, later ones async_load
     _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
+    _gl_tma_load = _gl_tma.async_load if hasattr(_gl_tma, "async_load") else _gl_tma.async_copy_global_to_shared
 
     @gluon.jit
     def _gl_gdc(WAIT: gl.constexpr):
@@ -1066,13 +1070,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _gemv_smem_kernel(x_ptr, w_ptr, out_ptr, g_ptr, eps, N, stride_wn, K: gl.constexpr,
                           BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr,
-                          EVW: gl.constexpr):
+                          EVW: gl.constexpr, TMA: gl.constexpr, w_desc):
         """out[n] = (rms_norm(x) * g) . w[n] for B == 1 (x: the float32 residual, K columns, a
         multiple of BLOCK_K; the FOLD GEMV of _gemv_kernel), one program per BLOCK_N rows.
 
         Before its PDL wait the program copies its rows of w whole into shared memory
-        (cp.async, 16 bytes a thread a copy; EVW the L2 eviction policy): weights only, which
-        no kernel writes. After it, each of K / BLOCK_K steps loads the x and g columns, sums
+        (cp.async, 16 bytes a thread a copy; EVW the L2 eviction policy; TMA: bulk tensor
+        copies of w_desc's [BLOCK_N, BLOCK_K] boxes, one mbarrier counting their bytes): weights
+        only, which no kernel writes. After it, each of K / BLOCK_K steps loads the x and g columns, sums
         the squares and adds the rows' products from shared memory; the output is scaled by
         rsqrt(sum / K + eps) and stored in out's dtype. PDL 1: the next kernel may launch after
         the wait; 2: at entry. NW: the launch's num_warps (the layouts' warps)."""
@@ -1085,19 +1090,30 @@ if HAVE_GLUON:
         nm = rows < N
         m2 = nm[:, None] & (cols < BLOCK_K)[None, :]
         ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + cols[None, :]
-        smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STEPS, BLOCK_N, BLOCK_K], S)
         if PDL == 2:
             _gl_gdc(False)
-        for j in gl.static_range(STEPS):
-            _gl_copy(smem.index(j), ptrs + j * BLOCK_K, mask=m2, eviction_policy=EVW)
-        _gl_cp.commit_group()
+        if TMA:
+            smem = gl.allocate_shared_memory(w_desc.dtype, [STEPS, BLOCK_N, BLOCK_K], w_desc.layout)
+            bar = gl.allocate_shared_memory(gl.int64, [1], _gl_mb.MBarrierLayout())
+            _gl_mb.init(bar, count=1)
+            _gl_mb.expect(bar, STEPS * w_desc.block_type.nbytes)
+            for j in gl.static_range(STEPS):
+                _gl_tma_load(w_desc, [pid * BLOCK_N, j * BLOCK_K], bar, smem.index(j))
+        else:
+            smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STEPS, BLOCK_N, BLOCK_K], S)
+            for j in gl.static_range(STEPS):
+                _gl_copy(smem.index(j), ptrs + j * BLOCK_K, mask=m2, eviction_policy=EVW)
+            _gl_cp.commit_group()
         if PDL:
             _gl_gdc(True)
             if PDL == 1:
                 _gl_gdc(False)
         acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
         ss = gl.zeros([BLOCK_K], gl.float32, layout=gl.SliceLayout(0, L))
-        _gl_cp.wait_group(0)
+        if TMA:
+            _gl_mb.wait(bar, 0)
+        else:
+            _gl_cp.wait_group(0)
         for j in range(STEPS):
             xk = gl.load(x_ptr + j * BLOCK_K + cols)
             gk = gl.load(g_ptr + j * BLOCK_K + cols).to(gl.float32)
@@ -1282,11 +1298,20 @@ def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
     if K % bk or bk & (bk - 1) or not 8 <= bk <= 256 or bn & (bn - 1) or smem > limit - 1024:
         raise ValueError(f"{knob}'s SMEM: BLOCK_K {bk} a power of two in 8..256 dividing K {K}, BLOCK_N {bn} a "
                          f"power of two whose rows ({smem} bytes) fit in shared memory ({limit})")
+    mode = kn["SMEM"]
+    if mode not in ("async", "tma") or (mode == "tma" and (N % bn or bn > 256 or bk * w.element_size() > 128)):
+        raise ValueError(f'{knob}\'s SMEM {mode!r}: "async" or "tma" (BLOCK_N <= 256 dividing N {N}, BLOCK_K '
+                         f'columns of at most 128 bytes)')
     out = torch.empty(1, 1, N, device=x.device, dtype=out_dtype)
     g, eps = norm
+    desc = w
+    if mode == "tma":
+        el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[w.dtype]
+        desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], el))
     _gemv_smem_kernel[(triton.cdiv(N, bn),)](x, w, out, g, eps, N, w.stride(0), K=K, BLOCK_N=bn, BLOCK_K=bk, NW=nw,
                                              PDL=_early(pdl, knob),
                                              EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
+                                             TMA=mode == "tma", w_desc=desc,
                                              num_warps=nw,
                                              **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}),
                                              **_launch(pdl))
