@@ -1057,6 +1057,7 @@ if HAVE_GLUON:
     # Triton 3.6 names the global -> shared copy async_copy_global_to_shared, later ones async_load
     _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
     _gl_tma_load = _gl_tma.async_load if hasattr(_gl_tma, "async_load") else _gl_tma.async_copy_global_to_shared
+    _gl_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (the CTA's threads)
 
     @gluon.jit
     def _gl_gdc(WAIT: gl.constexpr):
@@ -1077,9 +1078,10 @@ if HAVE_GLUON:
         Before its PDL wait the program copies its rows of w whole into shared memory
         (cp.async, 16 bytes a thread a copy; EVW the L2 eviction policy; TMA: bulk tensor
         copies of w_desc's [BLOCK_N, BLOCK_K] boxes, one mbarrier counting their bytes): weights
-        only, which no kernel writes. After it, each of K / BLOCK_K steps loads the x and g columns, sums
-        the squares and adds the rows' products from shared memory; the output is scaled by
-        rsqrt(sum / K + eps) and stored in out's dtype. PDL 1: the next kernel may launch after
+        only, which no kernel writes. After it the program loads all of x at once (g before the
+        wait), sums its squares and puts x * g in shared memory; each of K / BLOCK_K steps then
+        adds the rows' products of two shared tiles (no global load in the loop, which Gluon
+        does not pipeline); the output is scaled by rsqrt(sum / K + eps) and stored in out's dtype. PDL 1: the next kernel may launch after
         the wait; 2: at entry. NW: the launch's num_warps (the layouts' warps)."""
         L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [NW, 1], [1, 0])
         S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -1104,23 +1106,27 @@ if HAVE_GLUON:
             for j in gl.static_range(STEPS):
                 _gl_copy(smem.index(j), ptrs + j * BLOCK_K, mask=m2, eviction_policy=EVW)
             _gl_cp.commit_group()
+        XL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, NW], [1, 0])
+        xo = (gl.arange(0, STEPS, layout=gl.SliceLayout(1, XL))[:, None] * BLOCK_K
+              + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))[None, :])
+        ga = gl.load(g_ptr + xo).to(gl.float32)  # [STEPS, BLOCK_K]: the norm weight, before the wait
         if PDL:
             _gl_gdc(True)
             if PDL == 1:
                 _gl_gdc(False)
+        xa = gl.load(x_ptr + xo)
+        sq = gl.sum(gl.sum(xa * xa, axis=1), axis=0)
+        xs = gl.allocate_shared_memory(gl.float32, [STEPS, BLOCK_K], S, value=xa * ga)
         acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, L))
-        ss = gl.zeros([BLOCK_K], gl.float32, layout=gl.SliceLayout(0, L))
         if TMA:
             _gl_mb.wait(bar, 0)
         else:
-            _gl_cp.wait_group(0)
-        for j in range(STEPS):
-            xk = gl.load(x_ptr + j * BLOCK_K + cols)
-            gk = gl.load(g_ptr + j * BLOCK_K + cols).to(gl.float32)
-            ss += xk * xk
+            _gl_cp.wait_group(0)  # this thread's copies
+        _gl_barrier()  # every thread's copies and x * g, visible to all
+        for j in gl.static_range(STEPS):
             w = smem.index(j).load(L).to(gl.float32)
-            acc += gl.sum(w * (xk * gk)[None, :], axis=1)
-        r = 1.0 / gl.sqrt(gl.sum(ss, axis=0) / K + eps)
+            acc += gl.sum(w * xs.slice(j, 1).load(L), axis=1)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+        r = 1.0 / gl.sqrt(sq / K + eps)
         gl.store(out_ptr + rows, (acc * r).to(out_ptr.dtype.element_ty), mask=nm)
 
 
