@@ -208,7 +208,7 @@ BF16_CASES = [
     {"rows": 1, "layers": [2], "knobs": FOLD | {"mlp": {"FUSED": True, "DOWN_T": True, "DOWN_PRE": True},
                                                 "gate_up": {"BLOCK_K": 32, "PRE": 1}}},
     # RoPE and the K/V write in qkv's kernel (ROPE), each beside its twin with RoPE in attention
-    # or in its own kernel (ROPE_TWINS: bitwise the same logits and caches): folded, with PRE and
+    # or in its own kernel (TWINS: bitwise the same logits and caches): folded, with PRE and
     # PIPE, 16-row tiles, exact softmax without the fold; batch 2 runs the tl.dot GEMV without it
     {"rows": 1, "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "ROPE": True},
                                  "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
@@ -221,11 +221,15 @@ BF16_CASES = [
     {"rows": 1, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 1, "BLOCK_N": 4, "ROPE": True}, "attn": SPLITS | EXACT}},
     {"rows": 1, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 1, "BLOCK_N": 4}, "attn": SPLITS | EXACT}},
     {"rows": 2, "layers": [1], "knobs": {"qkv": {"SPLIT_K": 1, "ROPE": True}}},
+    # qkv's SMEM (a CUDA kernel): off the GPU the Triton GEMV runs, bitwise as with it off
+    {"rows": 1, "layers": [1], "knobs": FOLD | {"qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}},
+    {"rows": 1, "layers": [1], "knobs": FOLD | {"qkv": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}},
 ]
-ROPE_TWINS = [(32, 33), (34, 35), (36, 37)]  # BF16_CASES indices: (qkv's ROPE, the same without)
+# BF16_CASES indices (a qkv knob on, the same case without it): bitwise the same logits and caches
+TWINS = [(32, 33, "ROPE"), (34, 35, "ROPE"), (36, 37, "ROPE"), (39, 40, "SMEM")]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
                                        27, 28, 30, 34, 35, 38)]
-FP32_ROPE_TWINS = [(24, 25)]
+FP32_TWINS = [(24, 25, "ROPE")]
 
 
 SCRIPT_HELPERS = r'''
@@ -307,9 +311,9 @@ def test_triton_decode_under_the_interpreter(dtype):
             # online softmax rounds p before normalising: bf16 noise, a few ulps of the logits
             assert r["max_diff"] <= 5e-2 * scale, what
             assert r["kv_owned_diff"] <= 5e-2 * max(1.0, r["kv_owned_ref"]), what
-    for i, j in FP32_ROPE_TWINS if dtype == "float32" else ROPE_TWINS:
-        assert results[i]["case"]["knobs"]["qkv"]["ROPE"] and "ROPE" not in results[j]["case"]["knobs"]["qkv"]
-        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's ROPE changed the step: {results[i]['case']}"
+    for i, j, knob in FP32_TWINS if dtype == "float32" else TWINS:
+        assert results[i]["case"]["knobs"]["qkv"][knob] and knob not in results[j]["case"]["knobs"]["qkv"]
+        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's {knob} changed the step: {results[i]['case']}"
 
 
 # ---- the PDL path, compiled for sm_90 without a GPU ------------------------------------

@@ -150,6 +150,9 @@ Measured on an H200 (Llama-3.2-1B, bf16, batch 1, context 512, benchmarks/result
   h100_variants_qkv_rope.json): 1,050.0-1,050.9 against 1,054.9-1,056.0 tok/s; the attention
   kernel, now only loads and arithmetic after its wait, ends 4.89 us after qkv against 4.94 with
   its RoPE, cache write and barrier, and qkv ends 0.55 us later.
+- qkv in shared memory (KNOBS["qkv"]["SMEM"], Gluon, on an H100, h100_variants_qkv_smem.json):
+  985.7 ("async") and 979.3 ("tma") against 1,055.6-1,056.6 tok/s; qkv ends 4.91 us after down
+  against 6.27, but down runs 1.9 us longer beside its copies and gate_up 1.5 us.
 
 KNOBS are plain literals so a hill-climb can edit them as text. KNOBS["stages"] switches
 each group of kernels off (back to PyTorch) independently: the same file is the ladder
@@ -275,6 +278,10 @@ try:  # Gluon (Triton's explicit-layout dialect): only for KNOBS["qkv"]["SMEM"],
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _gl_cp
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier as _gl_mb, tma as _gl_tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # names that moved between Triton releases: 3.6's, or later ones'
+    _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
+    _gl_tma_load = _gl_tma.async_load if hasattr(_gl_tma, "async_load") else _gl_tma.async_copy_global_to_shared
+    _gl_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (the CTA's threads)
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # noqa: BLE001 - an older Triton, or none
     HAVE_GLUON = False
@@ -1053,11 +1060,6 @@ if HAVE_TRITON:
 
 
 if HAVE_GLUON:
-
-    # Triton 3.6 names the global -> shared copy async_copy_global_to_shared, later ones async_load
-    _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
-    _gl_tma_load = _gl_tma.async_load if hasattr(_gl_tma, "async_load") else _gl_tma.async_copy_global_to_shared
-    _gl_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (the CTA's threads)
 
     @gluon.jit
     def _gl_gdc(WAIT: gl.constexpr):
