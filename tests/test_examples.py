@@ -214,8 +214,9 @@ BF16_CASES = [
                                  "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
     {"rows": 1, "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 8},
                                  "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
-    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 32, "PRE": 2, "ROPE": True}
-                                                   | PIPE, "attn": SPLITS | ONLINE | NOFUSE | EARLY}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 32, "PRE": 2,
+                                                           "ROPE": True} | PIPE,
+                                                   "attn": SPLITS | ONLINE | NOFUSE | EARLY}},
     {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 16, "BLOCK_K": 32, "PRE": 2}
                                                    | PIPE, "attn": SPLITS | ONLINE | NOFUSE | EARLY}},
     {"rows": 1, "layers": [1, 3], "knobs": {"qkv": {"SPLIT_K": 1, "BLOCK_N": 4, "ROPE": True}, "attn": SPLITS | EXACT}},
@@ -313,7 +314,7 @@ def test_triton_decode_under_the_interpreter(dtype):
             assert r["kv_owned_diff"] <= 5e-2 * max(1.0, r["kv_owned_ref"]), what
     for i, j, knob in FP32_TWINS if dtype == "float32" else TWINS:
         assert results[i]["case"]["knobs"]["qkv"][knob] and knob not in results[j]["case"]["knobs"]["qkv"]
-        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's {knob} changed the step: {results[i]['case']}"
+        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's {knob} changed it: {results[i]['case']}"
 
 
 # ---- the PDL path, compiled for sm_90 without a GPU ------------------------------------
@@ -332,7 +333,8 @@ from engine_server.weights import init_weights
 
 mod = load_module("launches", open(sys.argv[1]).read())
 mod._supported = lambda state, batch: True
-mod._smem_capable = lambda dev: 232448 if getattr(mod, "HAVE_GLUON", False) else 0  # an H100's, for KNOBS["qkv"]["SMEM"]
+# KNOBS["qkv"]["SMEM"]: an H100's shared memory a program
+mod._smem_capable = lambda dev: 232448 if getattr(mod, "HAVE_GLUON", False) else 0
 mod._pdl_capable = lambda dev: True
 launches = []
 JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self, grid, args, kw)))

@@ -550,7 +550,8 @@ if HAVE_TRITON:
         if ROPE:  # one head's rotate-half pairs: dims j*BLOCK_N/2 + i and that + RHD/2
             ri = tl.arange(0, BLOCK_N)
             r_head = pid_n // (RHD // BLOCK_N)
-            r_dim = (pid_n % (RHD // BLOCK_N)) * (BLOCK_N // 2) + ri % (BLOCK_N // 2) + (RHD // 2) * (ri // (BLOCK_N // 2))
+            half = ri // (BLOCK_N // 2)  # 0: the first half's dims, 1: their partners
+            r_dim = (pid_n % (RHD // BLOCK_N)) * (BLOCK_N // 2) + ri % (BLOCK_N // 2) + (RHD // 2) * half
             offs_n = r_head * RHD + r_dim
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1083,8 +1084,9 @@ if HAVE_GLUON:
         only, which no kernel writes. After it the program loads all of x at once (g before the
         wait), sums its squares and puts x * g in shared memory; each of K / BLOCK_K steps then
         adds the rows' products of two shared tiles (no global load in the loop, which Gluon
-        does not pipeline); the output is scaled by rsqrt(sum / K + eps) and stored in out's dtype. PDL 1: the next kernel may launch after
-        the wait; 2: at entry. NW: the launch's num_warps (the layouts' warps)."""
+        does not pipeline); the output is scaled by rsqrt(sum / K + eps) and stored in out's
+        dtype. PDL 1: the next kernel may launch after the wait; 2: at entry. NW: the launch's
+        num_warps (the layouts' warps)."""
         L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [NW, 1], [1, 0])
         S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         STEPS: gl.constexpr = K // BLOCK_K
