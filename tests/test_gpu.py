@@ -206,6 +206,34 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     _same_logits(cuda_engine, {"l2-off-folded": base, "l2-on-folded": knobs}, rel=2e-2)
 
 
+@pytest.mark.gpu
+def test_qkv_rope_and_smem_keep_the_step(cuda_engine):
+    """The H200 winner with qkv's ROPE (RoPE and this step's K/V write in qkv's kernel): the
+    same logits as without it, eager and from the graph (bitwise with the norms unfolded,
+    folded within the atomics' last-bit flips). With qkv's SMEM (a Gluon kernel holding its rows
+    in shared memory, "async" and "tma"; another summation order): the tolerance gate with
+    identical tokens, and the kernel is the one that ran."""
+    from conftest import ROOT
+    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    off = '"PIPE": True, "ROPE": False, "SMEM": False},'
+    unfold = '"FOLD": True}'
+    assert base.count(off) == 1 and base.count(unfold) == 1
+    rope = base.replace(off, '"PIPE": True, "ROPE": True, "SMEM": False},')
+    _same_logits(cuda_engine, {"rope-off": base.replace(unfold, '"FOLD": False}'),
+                               "rope-on": rope.replace(unfold, '"FOLD": False}')})
+    _same_logits(cuda_engine, {"rope-off-folded": base, "rope-on-folded": rope}, rel=2e-2)
+    tile = '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256,'
+    assert base.count(tile) == 1
+    for mode, bk in (("async", 128), ("tma", 64)):  # the shrunk preset's rows: 128 columns
+        src = base.replace(tile, f'"qkv": {{"BLOCK_N": 32, "BLOCK_K": {bk},', 1)
+        src = src.replace(off, f'"PIPE": True, "ROPE": False, "SMEM": "{mode}"}},')
+        r = cuda_engine.submit_forward_pass(src, name=f"qkv-smem-{mode}")
+        assert r.ok and r.graphs, (r.error, r.notes)
+        assert cuda_engine.candidates[r.candidate_id].module._smem_capable(torch.device("cuda")) > 0
+        tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
+        assert tol.close and tol.tokens_equal, (mode, tol)
+
+
 def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     """The one-kernel-per-layer example (grid barriers between phases) on the shrunk preset:
     logits close to the reference's on the same inputs, K/V written only where the step
