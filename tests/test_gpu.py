@@ -208,26 +208,29 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
 
 @pytest.mark.gpu
 def test_qkv_rope_and_smem_keep_the_step(cuda_engine):
-    """The H200 winner with qkv's ROPE (RoPE and this step's K/V write in qkv's kernel): the
-    same logits as without it, eager and from the graph (bitwise with the norms unfolded,
-    folded within the atomics' last-bit flips). With qkv's SMEM (a Gluon kernel holding its rows
-    in shared memory, "async" and "tma"; another summation order): the tolerance gate with
-    identical tokens, and the kernel is the one that ran."""
+    """The decode example (exact softmax: no near tie on the shrunk preset) with qkv unsplit,
+    then qkv's ROPE (RoPE and this step's K/V write in qkv's kernel): the same logits as without
+    it, eager and from the graph (bitwise with the norms unfolded, folded within the atomics'
+    last-bit flips). With the norms folded and qkv's SMEM (a Gluon kernel holding its rows in
+    shared memory, "async" and "tma"; another summation order): the tolerance gate with
+    identical tokens, and that kernel is the one that ran."""
     from conftest import ROOT
-    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
-    off = '"PIPE": True, "ROPE": False, "SMEM": False},'
-    unfold = '"FOLD": True}'
-    assert base.count(off) == 1 and base.count(unfold) == 1
-    rope = base.replace(off, '"PIPE": True, "ROPE": True, "SMEM": False},')
-    _same_logits(cuda_engine, {"rope-off": base.replace(unfold, '"FOLD": False}'),
-                               "rope-on": rope.replace(unfold, '"FOLD": False}')})
-    _same_logits(cuda_engine, {"rope-off-folded": base, "rope-on-folded": rope}, rel=2e-2)
-    tile = '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256,'
-    assert base.count(tile) == 1
+    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    tile = '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2,'
+    off = '"PIPE": False, "ROPE": False, "SMEM": False},'
+    unfold = '"EARLY_TRIGGER": False, "FOLD": False}'
+    assert src.count(tile) == 1 and src.count(off) == 1 and src.count(unfold) == 1
+    base = src.replace(tile, '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1,', 1)
+    rope = base.replace(off, '"PIPE": False, "ROPE": True, "SMEM": False},')
+    fold = '"EARLY_TRIGGER": False, "FOLD": True}'
+    _same_logits(cuda_engine, {"rope-off": base, "rope-on": rope})
+    _same_logits(cuda_engine, {"rope-off-folded": base.replace(unfold, fold),
+                               "rope-on-folded": rope.replace(unfold, fold)}, rel=2e-2)
     for mode, bk in (("async", 128), ("tma", 64)):  # the shrunk preset's rows: 128 columns
-        src = base.replace(tile, f'"qkv": {{"BLOCK_N": 32, "BLOCK_K": {bk},', 1)
-        src = src.replace(off, f'"PIPE": True, "ROPE": False, "SMEM": "{mode}"}},')
-        r = cuda_engine.submit_forward_pass(src, name=f"qkv-smem-{mode}")
+        smem = base.replace(unfold, fold).replace('"qkv": {"BLOCK_N": 16, "BLOCK_K": 256,',
+                                                  f'"qkv": {{"BLOCK_N": 32, "BLOCK_K": {bk},', 1)
+        smem = smem.replace(off, f'"PIPE": False, "ROPE": False, "SMEM": "{mode}"}},')
+        r = cuda_engine.submit_forward_pass(smem, name=f"qkv-smem-{mode}")
         assert r.ok and r.graphs, (r.error, r.notes)
         assert cuda_engine.candidates[r.candidate_id].module._smem_capable(torch.device("cuda")) > 0
         tol = cuda_engine.check_bit_exact(r.candidate_id, mode="tolerance")
