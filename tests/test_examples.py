@@ -450,15 +450,13 @@ def test_pdl_kernels_compile_for_sm90():
     # norm in (qkv's split summing its row's squares apart), o and down add atomically; with the
     # MLP fused (the last two configs) qkv also zeroes a buffer and one kernel folds and adds,
     # loading its first down tile before the wait with DOWN_PRE (lm_head and the gather as
-    # before, o another one); the last config (qkv's ROPE) adds a qkv, a gate_up and a down
+    # before, o another one); the ROPE config adds a qkv, a gate_up and a down
     assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 5
     assert sum(r["atomic"] for r in res) == 6  # the fold configs' o and down launches, the two fused MLPs
     fused = [r for r in res if r["down"]]  # down in its own layout (its first tile before the wait) and transposed
     assert len(fused) == 2 and all(r["fold"] and r["atomic"] for r in fused), fused
     assert sorted(r["load_before_wait"] for r in fused) == [False, True], fused
     assert [r["fold"] for r in res if r["zero"]] == [True]
-    # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
-    # its step inputs and weights loaded before the wait; its attention writes only its partials
     # qkv's SMEM (the last two configs, batch 1): the Gluon kernel copies its 32 rows of qkv's
     # weight (the shrunk preset's 128 bf16 columns each) into shared memory before its wait:
     # "async" 16 bytes a thread a copy on 4 warps, "tma" one bulk tensor copy a 64-column box
@@ -466,6 +464,8 @@ def test_pdl_kernels_compile_for_sm90():
     assert len(smem) == 2, smem
     assert smem[0]["cp_async"] == 32 * 128 * 2 // (16 * 128) and smem[0]["cp_async_before_wait"] and not smem[0]["tma"]
     assert smem[1]["tma"] == 128 // 64 and smem[1]["tma_before_wait"] and not smem[1]["cp_async"], smem
+    # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
+    # its step inputs and weights loaded before the wait
     rope = [r for r in res if r["rope"]]
     assert len(rope) == 1 and rope[0]["fold"] and rope[0]["stores"] == 3 and not rope[0]["atomic"], rope
     assert rope[0]["load_before_wait"], rope

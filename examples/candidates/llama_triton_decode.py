@@ -1090,8 +1090,6 @@ if HAVE_GLUON:
         rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
         cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, L))
         nm = rows < N
-        m2 = nm[:, None] & (cols < BLOCK_K)[None, :]
-        ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + cols[None, :]
         if PDL == 2:
             _gl_gdc(False)
         if TMA:
@@ -1103,6 +1101,8 @@ if HAVE_GLUON:
                 _gl_tma_load(w_desc, [pid * BLOCK_N, j * BLOCK_K], bar, smem.index(j))
         else:
             smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STEPS, BLOCK_N, BLOCK_K], S)
+            m2 = nm[:, None] & (cols < BLOCK_K)[None, :]
+            ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + cols[None, :]
             for j in gl.static_range(STEPS):
                 _gl_copy(smem.index(j), ptrs + j * BLOCK_K, mask=m2, eviction_policy=EVW)
             _gl_cp.commit_group()
