@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,38 @@ def emit(res: dict, out: str | None) -> int:
     if out:
         Path(out).write_text(json.dumps(res, indent=2, default=str))
     return 0
+
+
+def host_speed(repeats: int = 5) -> dict:
+    """How fast this host runs the single-threaded work a CPU experiment is made of, right now
+    (about 0.1-0.3 s): `python_loop_ns`, one iteration of a plain Python loop, and `torch_op_us`,
+    one small torch op on one thread (dispatch, not arithmetic); each the median of `repeats`.
+    A CPU cycle's seconds scale with these, so results from different hours or hosts compare
+    only beside them."""
+    loop, op = [], []
+    x = torch.ones(128)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            t, s = time.perf_counter(), 0
+            for i in range(100_000):
+                s += i
+            loop.append((time.perf_counter() - t) / 100_000 * 1e9)
+            t = time.perf_counter()
+            for _ in range(2_000):
+                x.add(x)
+            op.append((time.perf_counter() - t) / 2_000 * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return {"python_loop_ns": round(statistics.median(loop), 1), "torch_op_us": round(statistics.median(op), 2)}
+
+
+def host_line(host: dict) -> str:
+    """One card line for `host_speed` readings by name (e.g. {"start": ..., "end": ...})."""
+    return (f"this host, {' / '.join(host)}: a Python loop iteration "
+            + " / ".join(f"{h['python_loop_ns']:.0f}" for h in host.values()) + " ns, a small torch op "
+            + " / ".join(f"{h['torch_op_us']:.2f}" for h in host.values()) + " us")
 
 
 def capture(step) -> "torch.cuda.CUDAGraph":

@@ -4,7 +4,8 @@ one run on one machine.
 
     python benchmarks/cycle_bench.py --model llama-3.2-1b --shrink --device cpu --n 5
 
-Prints a card, then one JSON line.
+Prints a card, then one JSON line (`host_speed`: this host's speed at the start and the end,
+`benchmarks.common.host_speed`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import emit, engine_args  # noqa: E402
+from benchmarks.common import emit, engine_args, host_line, host_speed  # noqa: E402
 from engine_server.client import EngineClient  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
@@ -59,6 +60,7 @@ def main() -> int:
     family = "llama"
     source = (REF / f"{family}.py").read_text()
     live, restart, inside, full_s = [], [], [], []
+    host = {"start": host_speed()}
     with tempfile.TemporaryDirectory() as tmp:
         proc, c = start(Path(tmp) / "live", a)
         experiment(c, source)  # the first call pays one-off costs; a live engine has paid them
@@ -80,6 +82,7 @@ def main() -> int:
             restart.append(time.perf_counter() - t)
             proc.send_signal(signal.SIGTERM)
             proc.wait()
+    host["end"] = host_speed()
     q = lambda xs, k: statistics.quantiles(xs, n=10)[k - 1] if len(xs) > 1 else xs[0]  # noqa: E731
     res = {"bench": "cycle", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
            "live_s": {"p50": statistics.median(live), "p90": q(live, 9), "all": live},
@@ -90,13 +93,14 @@ def main() -> int:
                               if tiers["full_s"] else None),
            "experiments_per_hour_live": 3600 / statistics.median(live),
            "experiments_per_hour_restart": 3600 / statistics.median(restart),
-           "hardware": hardware(a.device).model_dump()}
+           "hardware": hardware(a.device).model_dump(), "host_speed": host}
     print(f"== experiment cycle (submit -> fast-tier result), {a.model}{' shrunk' if a.shrink else ''} on {a.device}")
     print(f"live engine:        P50 {res['live_s']['p50']:.3f} s  P90 {res['live_s']['p90']:.3f} s  "
           f"({res['experiments_per_hour_live']:.0f} experiments/hour)")
     print(f"restart per run:    P50 {res['restart_s']['p50']:.3f} s  P90 {res['restart_s']['p90']:.3f} s  "
           f"({res['experiments_per_hour_restart']:.0f} experiments/hour)")
     print(f"live is {res['ratio_p50']:.1f}x faster per experiment")
+    print(host_line(host))
     if res["full_over_fast"]:
         print(f"tiers inside the engine: measure_fast P50 {statistics.median(tiers['fast_s']):.3f} s, "
               f"measure_full P50 {statistics.median(tiers['full_s']):.3f} s: the fast tier is "

@@ -15,7 +15,8 @@ it with `skip_tokenizer_init=True` on token-id prompts (real prompt text, the en
 tokens). vLLM runs with its defaults (torch.compile at start-up) and with enforce_eager; the
 two workflows are interleaved. Prints a card, then one JSON line (live_timed: each timed live
 experiment's install and fast-tier seconds, rounds and phases; live_breakdown: one more
-experiment right after it, its two calls timed apart).
+experiment right after it, its two calls timed apart; host_speed: this host's speed at the
+start and the end, `benchmarks.common.host_speed`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import emit, engine_args  # noqa: E402
+from benchmarks.common import emit, engine_args, host_line, host_speed  # noqa: E402
 from benchmarks.cycle_bench import REF, experiment, start  # noqa: E402
 from engine_server.config import EngineConfig, parse_dtype, resolve_model, shrink  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
@@ -191,6 +192,7 @@ def main() -> int:
     source = (REF / "llama.py").read_text()
     variants = {"default": False} | ({} if a.no_eager else {"enforce_eager": True})
     live, timed, breakdown, runs = [], [], [], {v: [] for v in variants}
+    host = {"start": host_speed()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         proc, c = start(tmp / "live", a)
@@ -226,6 +228,7 @@ def main() -> int:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
+    host["end"] = host_speed()
     mid = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
     res = {"bench": "vllm_cycle", "model": a.model, "shrink": a.shrink, "device": a.device, "n": a.n,
            "live_s": summary(live), "experiments_per_hour_live": 3600 / statistics.median(live),
@@ -248,6 +251,7 @@ def main() -> int:
         "model_config": info["config"], "weights": "the engine's seeded init (seed 0)",
         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}
     res["hardware"] = hardware(a.device).model_dump()
+    res["host_speed"] = host
     root = Path(__file__).resolve().parent.parent
     git = lambda *c: subprocess.run(["git", *c], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
     res["engine_tree"] = {"commit": git("rev-parse", "HEAD"),
@@ -260,6 +264,7 @@ def main() -> int:
     print(f"  submit {b['submit_s']:.3f} s (install {b['install_seconds']:.3f} s in the engine), "
           f"measure_fast {b['measure_fast_s']:.3f} s ({b['measure_seconds']:.3f} s in the engine, "
           f"{b['rounds']:g} A/B rounds, speedup CI +-{b['ci_half_width'] * 100:.1f}%)")
+    print("  " + host_line(host))
     for v, d in res["vllm"].items():
         vb = d["breakdown_p50"]
         print(f"vLLM restart, {v + ':':14} P50 {d['restart_s']['p50']:7.3f} s  P90 {d['restart_s']['p90']:7.3f} s  "

@@ -647,6 +647,36 @@ def test_kernel_resources_reads_each_decode_kernel_compiled_for_sm90():
     assert four["qkv"] == base["qkv"]
 
 
+def test_cycle_bench_runs_on_the_cpu_and_records_the_hosts_speed():
+    """benchmarks/cycle_bench.py end to end on the shrunk preset: live and restart cycles, both
+    tiers' seconds, and this host's speed at its start and end (`host_speed`: CPU cycles compare
+    across hours only beside it), in the card and the JSON (no timing is asserted)."""
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from benchmarks.common import host_line, host_speed
+    threads = torch.get_num_threads()
+    h = host_speed(repeats=2)
+    assert torch.get_num_threads() == threads  # its one thread given back
+    assert set(h) == {"python_loop_ns", "torch_op_us"} and all(math.isfinite(v) and v > 0 for v in h.values())
+    assert host_line({"start": h, "end": h}).startswith("this host, start / end: a Python loop iteration ")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/cycle_bench.py", "--device", "cpu", "--shrink", "--n", "2",
+                          "--full", "1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert len(res["live_s"]["all"]) == 2 and len(res["restart_s"]["all"]) == 2
+    assert res["ratio_p50"] > 0 and res["full_over_fast"] > 0
+    assert all(x["rounds"] >= 1 and x["fast_s"] > 0 for x in res["live_inside_engine"])
+    assert set(res["host_speed"]) == {"start", "end"}
+    assert all(v > 0 for r in res["host_speed"].values() for v in r.values())
+    assert host_line(res["host_speed"]) in lines
+
+
 def test_vllm_cycle_bench_waits_for_what_an_experiment_left_running():
     """benchmarks/vllm_cycle_bench.py: after a restart-workflow experiment's process exits, the
     next experiment waits until every process of its session has gone too (a child still
