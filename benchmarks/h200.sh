@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|sync|depth|tests
+#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|sync|depth|fill|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -90,6 +90,9 @@ sync)  # what a dependency between two kernels costs: stream order, PDL's wait, 
 depth)  # the fast tier's depth check: what its rounds cost and catch (REPS: decode,prefill settings)
     python3 benchmarks/depth_check_bench.py --device cuda --n "${N:-10}" --reps ${REPS:-5,3 3,3} \
         --out "$OUT/depth_check.json" 2>&1 | grep -v '^{' | tee "$OUT/depth_check.txt"
+    ;;
+fill)  # shared memory filled by one program per SM (TMA, cp.async) against register loads
+    python3 benchmarks/smem_fill_bench.py --out "$OUT/fill.json" 2>&1 | tee "$OUT/fill.txt"
     ;;
 tests)
     python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"

@@ -677,6 +677,36 @@ def test_cycle_bench_runs_on_the_cpu_and_records_the_hosts_speed():
     assert host_line(res["host_speed"]) in lines
 
 
+def test_smem_fill_bench_kernels_compile_for_sm90():
+    """benchmarks/smem_fill_bench.py's kernels compiled for sm_90 without a GPU: the TMA program
+    issues one bulk tensor copy a step and the cp.async one two 16-byte copies a thread a step
+    (32 rows of 64 bf16 columns on 128 threads), at the smallest and the largest size."""
+    pytest.importorskip("triton")
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("smem_fill_bench", root / "benchmarks" / "smem_fill_bench.py")
+    fb = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(fb)
+    except SystemExit as e:  # a Triton without Gluon
+        pytest.skip(str(e))
+    from benchmarks.kernel_resources import compile_sm90
+    w, out = torch.zeros(256, fb.K, dtype=torch.bfloat16), torch.zeros(132)
+    desc = fb.EX.TensorDescriptor.from_tensor(
+        w, [fb.ROWS, fb.BLOCK_K], fb.gl.NVMMASharedLayout.get_default_for([fb.ROWS, fb.BLOCK_K], fb.gl.bfloat16))
+    for steps in (4, 48):
+        kw = dict(BLOCK_N=fb.ROWS, BLOCK_K=fb.BLOCK_K, STEPS=steps, NW=4, num_warps=4)
+        tma = compile_sm90(fb._fill_tma, (desc, out, 0), kw).asm["ptx"]
+        assert tma.count("cp.async.bulk.tensor") == steps
+        cp = compile_sm90(fb._fill_async, (w, out, 0, fb.K), kw).asm["ptx"]
+        assert cp.count("cp.async.cg.shared.global") + cp.count("cp.async.ca.shared.global") == 2 * steps
+        regs = compile_sm90(fb._fill_regs, (w, out, 0, fb.K), dict(BLOCK_N=fb.ROWS, BLOCK_K=fb.REG_K,
+                                                                    STEPS=steps * fb.BLOCK_K // fb.REG_K,
+                                                                    num_warps=4, num_stages=4))
+        assert regs.asm.get("cubin")
+
+
 def test_vllm_cycle_bench_waits_for_what_an_experiment_left_running():
     """benchmarks/vllm_cycle_bench.py: after a restart-workflow experiment's process exits, the
     next experiment waits until every process of its session has gone too (a child still

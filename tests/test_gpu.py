@@ -271,3 +271,19 @@ def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     assert torch.equal(c.forward(st, b2), llama.forward(st, b2))
     ex = cuda_engine.check_bit_exact(r.candidate_id)
     assert not ex.exact and ex.first_mismatch.phase == "decode B=1", ex
+
+
+def test_smem_fill_bench_checks_every_program(tmp_path):
+    """benchmarks/smem_fill_bench.py at two sizes: every method's every program read back the
+    rows it was given (its sum against torch's), and its rate is a number (none asserted)."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "benchmarks/smem_fill_bench.py", "--kib", "16,64", "--repeats", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted((r["method"], r["kib_per_program"]) for r in res["rows"]) == sorted(
+        (m, k) for m in ("tma", "cp.async", "registers") for k in (16.0, 64.0))
+    assert all(r["checked"] and r["us"] > 0 for r in res["rows"]), res["rows"]
