@@ -225,12 +225,16 @@ BF16_CASES = [
     # qkv's SMEM (a CUDA kernel): off the GPU the Triton GEMV runs, bitwise as with it off
     {"rows": 1, "layers": [1], "knobs": FOLD | {"qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}},
     {"rows": 1, "layers": [1], "knobs": FOLD | {"qkv": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}},
+    # o_proj and gate_up in one kernel (a CUDA kernel): off the GPU their own kernels run, bitwise
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"o_gate_up": {"FUSED": True}}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD},
 ]
-# BF16_CASES indices (a qkv knob on, the same case without it): bitwise the same logits and caches
-TWINS = [(32, 33, "ROPE"), (34, 35, "ROPE"), (36, 37, "ROPE"), (39, 40, "SMEM")]
+# BF16_CASES indices (a knob on, the same case without it): bitwise the same logits and caches
+TWINS = [(32, 33, ("qkv", "ROPE")), (34, 35, ("qkv", "ROPE")), (36, 37, ("qkv", "ROPE")), (39, 40, ("qkv", "SMEM")),
+         (41, 42, ("o_gate_up", "FUSED"))]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
                                        27, 28, 30, 34, 35, 38)]
-FP32_TWINS = [(24, 25, "ROPE")]
+FP32_TWINS = [(24, 25, ("qkv", "ROPE"))]
 
 
 SCRIPT_HELPERS = r'''
@@ -312,9 +316,9 @@ def test_triton_decode_under_the_interpreter(dtype):
             # online softmax rounds p before normalising: bf16 noise, a few ulps of the logits
             assert r["max_diff"] <= 5e-2 * scale, what
             assert r["kv_owned_diff"] <= 5e-2 * max(1.0, r["kv_owned_ref"]), what
-    for i, j, knob in FP32_TWINS if dtype == "float32" else TWINS:
-        assert results[i]["case"]["knobs"]["qkv"][knob] and knob not in results[j]["case"]["knobs"]["qkv"]
-        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: qkv's {knob} changed it: {results[i]['case']}"
+    for i, j, (group, knob) in FP32_TWINS if dtype == "float32" else TWINS:
+        assert results[i]["case"]["knobs"][group][knob] and knob not in results[j]["case"]["knobs"].get(group, {})
+        assert results[i]["digest"] == results[j]["digest"], f"{dtype}: {group}'s {knob} changed it: {results[i]['case']}"
 
 
 # ---- the PDL path, compiled for sm_90 without a GPU ------------------------------------
@@ -336,6 +340,7 @@ mod._supported = lambda state, batch: True
 # KNOBS["qkv"]["SMEM"]: an H100's shared memory a program
 mod._smem_capable = lambda dev: 232448 if getattr(mod, "HAVE_GLUON", False) else 0
 mod._pdl_capable = lambda dev: True
+mod._sms = lambda dev: (132, 233472)  # an H100's SMs and shared memory an SM (KNOBS["o_gate_up"])
 launches = []
 JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kw: launches.append((self, grid, args, kw)))
 cfg = shrink(resolve_model("llama-3.2-1b")[0])
@@ -367,7 +372,9 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True}, "qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "PRE": 4, "PIPE": True, "ROPE": True},
             "attn": {"EXACT_SOFTMAX": False, "EARLY_INPUTS": True}},
            {"norm": {"FOLD": True}, "qkv": {"SMEM": "async", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}},
-           {"norm": {"FOLD": True}, "qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}}]
+           {"norm": {"FOLD": True}, "qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}},
+           {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True}},
+           {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True, "STAGE_K": 64, "STAGES": 1, "EARLY": 0}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -405,8 +412,11 @@ for fn, grid, args, kw in launches:
                     tma=ptx.count("cp.async.bulk.tensor"),
                     tma_before_wait=-1 < ptx.find("cp.async.bulk.tensor") < ptx.find("griddepcontrol.wait"),
                     cp_async_before_wait=-1 < ptx.find("cp.async.cg.shared.global") < ptx.find("griddepcontrol.wait"),
-                    atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN")), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
-                    trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")))
+                    atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN") or "NPROG" in consts), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
+                    trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait"),
+                    consts={k: v for k, v in consts.items() if isinstance(v, (int, bool))},
+                    acquire=ptx.count("ld.acquire.gpu"), release=len(re.findall(r"(?:red|atom)\.global\.gpu\.release", ptx)),
+                    tma_after_wait=ptx[ptx.find("griddepcontrol.wait"):].count("cp.async.bulk.tensor")))
 print("RESULTS " + json.dumps(out))
 '''
 
@@ -423,7 +433,7 @@ def test_pdl_kernels_compile_for_sm90():
                      TRITON_DEFAULT_FP_FUSION="1")
     kernels = {r["kernel"] for r in res}
     assert kernels == {"_add_norm_kernel", "_gemv_kernel", "_rope_kv_kernel", "_attn_kernel",
-                       "_attn_combine_kernel", "_gemv_smem_kernel"}, kernels
+                       "_attn_combine_kernel", "_gemv_smem_kernel", "_o_gate_up_kernel"}, kernels
     for r in res:
         assert r["launch_pdl"] and r["wait"] and r["trigger"], r
         assert r["prefetch"] == r["prefetch_wanted"], r
@@ -450,9 +460,11 @@ def test_pdl_kernels_compile_for_sm90():
     # norm in (qkv's split summing its row's squares apart), o and down add atomically; with the
     # MLP fused (the last two configs) qkv also zeroes a buffer and one kernel folds and adds,
     # loading its first down tile before the wait with DOWN_PRE (lm_head and the gather as
-    # before, o another one); the ROPE config adds a qkv, a gate_up and a down
-    assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 5
-    assert sum(r["atomic"] for r in res) == 6  # the fold configs' o and down launches, the two fused MLPs
+    # before, o another one); the ROPE config adds a qkv, a gate_up and a down; o_gate_up's
+    # config a qkv (and its kernel, below)
+    assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 6
+    # the fold configs' o and down launches, the two fused MLPs (and o_gate_up's barrier, below)
+    assert sum(r["atomic"] for r in res if r["kernel"] != "_o_gate_up_kernel") == 6
     fused = [r for r in res if r["down"]]  # down in its own layout (its first tile before the wait) and transposed
     assert len(fused) == 2 and all(r["fold"] and r["atomic"] for r in fused), fused
     assert sorted(r["load_before_wait"] for r in fused) == [False, True], fused
@@ -464,6 +476,17 @@ def test_pdl_kernels_compile_for_sm90():
     assert len(smem) == 2, smem
     assert smem[0]["cp_async"] == 32 * 128 * 2 // (16 * 128) and smem[0]["cp_async_before_wait"] and not smem[0]["tma"]
     assert smem[1]["tma"] == 128 // 64 and smem[1]["tma_before_wait"] and not smem[1]["cp_async"], smem
+    # o_gate_up (the last two configs): bulk tensor copies of o's rows (the shrunk preset's 256
+    # columns: 4 boxes of 64) before the wait, and of gate_up's 128 columns: in one stage of 2
+    # boxes of gate and 2 of up, also before it (EARLY); or in 2 stages of one box each on a
+    # ring of one, filled after the wait (EARLY 0) and refilled in the loop. One release add
+    # and acquire polls: its grid barrier
+    ogu = {r["consts"]["EARLY"]: r for r in res if r["kernel"] == "_o_gate_up_kernel"}
+    assert sorted(ogu) == [0, 1], ogu
+    assert ogu[1]["tma"] == 8 and ogu[1]["tma_after_wait"] == 0 and ogu[1]["tma_before_wait"], ogu[1]
+    assert ogu[0]["tma"] == 8 and ogu[0]["tma_after_wait"] == 4 and ogu[0]["tma_before_wait"], ogu[0]
+    assert all(r["release"] == 1 and r["acquire"] >= 1 and r["pdl"] == 2 and r["consts"]["NPROG"] == 6
+               for r in ogu.values()), ogu
     # qkv's ROPE: the one qkv launch stores q, k and v (three stores, no partials, no atomics),
     # its step inputs and weights loaded before the wait
     rope = [r for r in res if r["rope"]]

@@ -287,3 +287,32 @@ def test_smem_fill_bench_checks_every_program(tmp_path):
     assert sorted((r["method"], r["kib_per_program"]) for r in res["rows"]) == sorted(
         (m, k) for m in ("tma", "cp.async", "registers") for k in (16.0, 64.0))
     assert all(r["checked"] and r["us"] > 0 for r in res["rows"]), res["rows"]
+
+
+def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
+    """The folded decode example with o_proj and gate_up in one Gluon kernel (bulk tensor
+    copies into shared memory, a grid barrier): that kernel runs once a layer, and the logits
+    are those of the two kernels it replaces within the atomics' flips, eager and from the
+    graph; the tolerance gate passes with identical tokens."""
+    from conftest import ROOT
+    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    unfold, fold = '"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}'
+    off = '"o_gate_up": {"FUSED": False,'
+    assert src.count(unfold) == 1 and src.count(off) == 1
+    base = src.replace(unfold, fold)
+    one = base.replace(off, '"o_gate_up": {"FUSED": True,')
+    ids = _same_logits(cuda_engine, {"o-gate-up-apart": base, "o-gate-up-one": one}, rel=2e-2)
+    c = cuda_engine.candidates[ids[1]]
+    calls = []
+    inner = c.module._o_gate_up
+    c.module._o_gate_up = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    try:
+        from engine_server.state import decode_batch
+        c.forward(cuda_engine.candidate_state(c), decode_batch(torch.tensor([5], device="cuda"),
+                                                               torch.tensor([300], device="cuda"),
+                                                               torch.tensor([0], device="cuda")))
+    finally:
+        c.module._o_gate_up = inner
+    assert len(calls) == len(cuda_engine.candidate_state(c).layers), calls
+    tol = cuda_engine.check_bit_exact(ids[1], mode="tolerance")
+    assert tol.close and tol.tokens_equal, tol

@@ -236,6 +236,16 @@ KNOBS = {
     # DOWN_T: down read from a transposed copy that prepare makes ([intermediate, hidden]: a
     # program's rows of it contiguous, 512-byte runs instead of 2 * BLOCK_N bytes a row)
     "mlp": {"FUSED": False, "DOWN_PRE": False, "EARLY_TRIGGER": True, "DOWN_T": False},
+    # FUSED (with FOLD; CUDA, compute capability 9.0+): o_proj and gate_up as one Gluon kernel
+    # (_o_gate_up_kernel) whose programs, all resident at once, copy their o rows and gate_up's
+    # first EARLY stages (STAGE_K columns of their BLOCK_N gate and up rows each) into shared
+    # memory before their PDL wait (while the attention chain leaves the memory idle), add o's
+    # rows into x, meet at a grid barrier, then stream the rest of gate_up through that ring of
+    # STAGES stages.
+    # SPIN_LIMIT: a barrier's polls before it gives up (wrong results, never a hang).
+    # EARLY_TRIGGER as the GEMV groups' (down launches at this kernel's entry)
+    "o_gate_up": {"FUSED": False, "BLOCK_N": 64, "STAGE_K": 256, "STAGES": 2, "EARLY": 2, "num_warps": 4,
+                  "EARLY_TRIGGER": True, "SPIN_LIMIT": 65536},
     "rope": {"num_warps": 2},
     # programmatic dependent launch (sm_90+, CUDA graphs keep it): each kernel is launched while
     # the one before it runs and waits for it (griddepcontrol.wait) only before it reads anything
@@ -272,7 +282,7 @@ try:  # Triton is optional: without it every call runs the reference
 except Exception:  # noqa: BLE001 - ImportError, or a broken install
     HAVE_TRITON = False
 
-try:  # Gluon (Triton's explicit-layout dialect): only for KNOBS["qkv"]["SMEM"], on CUDA
+try:  # Gluon (Triton's explicit-layout dialect): KNOBS["qkv"]["SMEM"], KNOBS["o_gate_up"], on CUDA
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _gl_cp
@@ -282,6 +292,7 @@ try:  # Gluon (Triton's explicit-layout dialect): only for KNOBS["qkv"]["SMEM"],
     _gl_copy = _gl_cp.async_load if hasattr(_gl_cp, "async_load") else _gl_cp.async_copy_global_to_shared
     _gl_tma_load = _gl_tma.async_load if hasattr(_gl_tma, "async_load") else _gl_tma.async_copy_global_to_shared
     _gl_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # (the CTA's threads)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared as _gl_fence
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # noqa: BLE001 - an older Triton, or none
     HAVE_GLUON = False
@@ -1133,6 +1144,123 @@ if HAVE_GLUON:
         r = 1.0 / gl.sqrt(sq / K + eps)
         gl.store(out_ptr + rows, (acc * r).to(out_ptr.dtype.element_ty), mask=nm)
 
+    @gluon.jit
+    def _gl_ld_acquire(ptr):
+        """ld.acquire.gpu of the int32 at ptr."""
+        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _ogu_fill(wgu_desc, bars, g_s, u_s, row, I, k, cur, SUB: gl.constexpr, BK: gl.constexpr):
+        """Stage `cur` of the ring: SUB consecutive [BN, BK] boxes of gate and of up rows `row`..
+        from column k * SUB * BK (one mbarrier counting their bytes)."""
+        _gl_mb.expect(bars.index(cur), 2 * SUB * wgu_desc.block_type.nbytes)
+        for j in gl.static_range(SUB):
+            _gl_tma_load(wgu_desc, [row, (k * SUB + j) * BK], bars.index(cur), g_s.index(cur * SUB + j))
+            _gl_tma_load(wgu_desc, [I + row, (k * SUB + j) * BK], bars.index(cur), u_s.index(cur * SUB + j))
+
+    @gluon.jit
+    def _o_gate_up_kernel(a_ptr, x_ptr, g_ptr, act_ptr, bar_ptr, eps, D, I, wo_desc, wgu_desc,
+                          K: gl.constexpr, KO: gl.constexpr, BO: gl.constexpr, BN: gl.constexpr,
+                          BK: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
+                          NPROG: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr, SPIN_LIMIT: gl.constexpr):
+        """o_proj and gate_up of one layer for B == 1 (KNOBS["o_gate_up"]): x[D] += wo . a, then
+        act[n] = silu(gate_n) * up_n of rms_norm(x) * g (FOLD's GEMV: x the float32 residual,
+        K == D columns); a: the attention's output (KO columns). NPROG programs, all resident
+        at once; program p owns o's rows p * BO.. (masked past D) and gate_up's rows p * BN..
+        (gate) and I + p * BN.. (up).
+
+        Before its PDL wait each program copies its o rows whole, and the first EARLY stages
+        of a ring of STAGES (each SUB consecutive [BN, BK] boxes of its gate and up rows: runs
+        of SUB * BK columns a row), into shared memory with bulk tensor copies (weights, which
+        no kernel writes), so they stream while the kernels before it (the attention and its
+        combine) leave the memory idle; the ring's other stages follow the wait. After it the
+        program adds its o rows into x (each row one program's: no atomics), meets every other
+        program at a grid barrier (a zeroed counter at bar_ptr, one per call; a spin past
+        SPIN_LIMIT polls gives up: wrong results, never a hang), stages x * g, and sums
+        gate_up's stages as they land, each refilled STAGES stages ahead once used. Roundings
+        as _gemv_kernel's SILU epilogue (gate, up, silu(gate), product). PDL 1: the next
+        kernel may launch after the wait; 2: at entry."""
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [NW, 1], [1, 0])
+        V: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [1, NW], [1, 0])  # a step's [1, BK] of a vector
+        S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # vectors as [steps, 1, BK]: a step each
+        STEPS: gl.constexpr = K // (SUB * BK)  # the ring's stages of gate_up, in all
+        OSTEPS: gl.constexpr = KO // BK
+        pid = gl.program_id(0)
+        if PDL == 2:
+            _gl_gdc(False)
+        o_s = gl.allocate_shared_memory(wo_desc.dtype, [OSTEPS, BO, BK], wo_desc.layout)
+        g_s = gl.allocate_shared_memory(wgu_desc.dtype, [STAGES * SUB, BN, BK], wgu_desc.layout)
+        u_s = gl.allocate_shared_memory(wgu_desc.dtype, [STAGES * SUB, BN, BK], wgu_desc.layout)
+        o_bar = gl.allocate_shared_memory(gl.int64, [1], _gl_mb.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], _gl_mb.MBarrierLayout())
+        _gl_mb.init(o_bar, count=1)
+        for st in gl.static_range(STAGES):
+            _gl_mb.init(bars.index(st), count=1)
+        _gl_fence()
+        _gl_mb.expect(o_bar, OSTEPS * wo_desc.block_type.nbytes)
+        for j in gl.static_range(OSTEPS):
+            _gl_tma_load(wo_desc, [pid * BO, j * BK], o_bar, o_s.index(j))
+        for st in gl.static_range(EARLY):
+            _ogu_fill(wgu_desc, bars, g_s, u_s, pid * BN, I, st, st, SUB, BK)
+        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, V))[None, :]
+        gn = gl.allocate_shared_memory(gl.float32, [K // BK, 1, BK], S)
+        for j in gl.static_range(K // BK):  # the norm weight, before the wait: no kernel writes it
+            gn.index(j).store(gl.load(g_ptr + j * BK + cols).to(gl.float32))
+        if PDL:
+            _gl_gdc(True)
+            if PDL == 1:
+                _gl_gdc(False)
+        for st in gl.static_range(EARLY, STAGES):
+            _ogu_fill(wgu_desc, bars, g_s, u_s, pid * BN, I, st, st, SUB, BK)
+        a_s = gl.allocate_shared_memory(gl.float32, [OSTEPS, 1, BK], S)
+        for j in gl.static_range(OSTEPS):
+            a_s.index(j).store(gl.load(a_ptr + j * BK + cols).to(gl.float32))
+        rows_o = pid * BO + gl.arange(0, BO, layout=gl.SliceLayout(1, L))
+        acc_o = gl.zeros([BO, BK], gl.float32, layout=L)  # products summed along K once, at the end
+        _gl_mb.wait(o_bar, 0)
+        _gl_barrier()  # a in shared memory, seen by every thread
+        for j in range(OSTEPS):
+            acc_o += o_s.index(j).load(L).to(gl.float32) * a_s.index(j).load(L)
+        acc_o = gl.sum(acc_o, axis=1)
+        om = rows_o < D
+        gl.store(x_ptr + rows_o, gl.load(x_ptr + rows_o, mask=om, other=0.0) + acc_o, mask=om)
+        _gl_barrier()  # the program's stores before its arrival
+        gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        seen = _gl_ld_acquire(bar_ptr)
+        spins = 0
+        while (seen < NPROG) & (spins < SPIN_LIMIT):
+            seen = _gl_ld_acquire(bar_ptr)
+            spins += 1
+        _gl_barrier()
+        xs = gl.allocate_shared_memory(gl.float32, [K // BK, 1, BK], S)
+        sq = gl.zeros([1, BK], gl.float32, layout=V)
+        for j in gl.static_range(K // BK):  # x whole (other programs' rows: from L2), x * g staged
+            xj = gl.load(x_ptr + j * BK + cols, cache_modifier=".cg")
+            sq += xj * xj
+            xs.index(j).store(xj * gn.index(j).load(V))
+        sq = gl.sum(gl.sum(sq, axis=1), axis=0)
+        _gl_barrier()
+        acc_g = gl.zeros([BN, BK], gl.float32, layout=L)
+        acc_u = gl.zeros([BN, BK], gl.float32, layout=L)
+        for k in range(STEPS):
+            cur = k % STAGES
+            _gl_mb.wait(bars.index(cur), (k // STAGES) % 2)
+            for j in gl.static_range(SUB):
+                xk = xs.index(k * SUB + j).load(L)  # [1, BK]
+                acc_g += g_s.index(cur * SUB + j).load(L).to(gl.float32) * xk
+                acc_u += u_s.index(cur * SUB + j).load(L).to(gl.float32) * xk
+            if k + STAGES < STEPS:  # the stage, read by every thread, refilled STAGES stages ahead
+                _gl_barrier()
+                _gl_fence()
+                _ogu_fill(wgu_desc, bars, g_s, u_s, pid * BN, I, k + STAGES, cur, SUB, BK)
+        r = 1.0 / gl.sqrt(sq / K + eps)
+        gv = (gl.sum(acc_g, axis=1) * r).to(act_ptr.dtype.element_ty).to(gl.float32)
+        uv = (gl.sum(acc_u, axis=1) * r).to(act_ptr.dtype.element_ty).to(gl.float32)
+        sv = (gv / (1.0 + gl.exp(-gv))).to(act_ptr.dtype.element_ty).to(gl.float32)
+        rows_g = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+        gl.store(act_ptr + rows_g, (sv * uv).to(act_ptr.dtype.element_ty), mask=rows_g < I)
+
 
 # ---- launchers -------------------------------------------------------------------------
 
@@ -1328,6 +1456,55 @@ def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
     return out
 
 
+
+def _o_gate_up_ready(dev: torch.device, fold: bool) -> bool:
+    """KNOBS["o_gate_up"]["FUSED"] applies: on, the norms folded (batch 1), the GEMV stage on,
+    and a device that runs Gluon's bulk tensor copies (compute capability 9.0+, not the
+    interpreter: elsewhere o_proj and gate_up run as their own kernels, the same step)."""
+    return bool(KNOBS["o_gate_up"]["FUSED"]) and fold and _stage("gemv") and HAVE_GLUON and _pdl_capable(dev)
+
+
+def _sms(dev: torch.device) -> tuple[int, int]:
+    """The device's SMs and the shared memory of one."""
+    props = torch.cuda.get_device_properties(dev)
+    return props.multi_processor_count, int(getattr(props, "shared_memory_per_multiprocessor", 0))
+
+
+def _o_gate_up(a, wo, x, w_gu, norm, pdl, bar):
+    """x += a @ wo^T, then [1, I] silu(gate) * up of rms_norm(x) * g (w_gu: [gate; up], [2I, D];
+    norm: (g, eps)) by _o_gate_up_kernel, one program per KNOBS["o_gate_up"]["BLOCK_N"] gate
+    rows; bar: a zeroed int32 counter, this call's grid barrier."""
+    kn = KNOBS["o_gate_up"]
+    D, KO, I, K = wo.shape[0], wo.shape[1], w_gu.shape[0] // 2, w_gu.shape[1]
+    bn, nw, es = int(kn["BLOCK_N"]), int(kn["num_warps"]), w_gu.element_size()
+    bk = 128 // es  # a box row of 128 bytes
+    sub = max(1, min(int(kn["STAGE_K"]), K) // bk)  # boxes a stage
+    nprog = I // max(1, bn)
+    bo = _pow2(triton.cdiv(D, max(1, nprog)))
+    stages = min(int(kn["STAGES"]), K // (sub * bk))
+    early = min(int(kn["EARLY"]), stages)
+    smem = (KO // bk * bo + 2 * stages * sub * bn) * bk * es + 4 * (2 * K + KO) + 8 * (stages + 1)
+    limit = _smem_capable(x.device)
+    sms, sm_smem = _sms(x.device)  # programs that fit at once: by shared memory, and by registers at 255 a thread
+    resident = sms * max(1, min(sm_smem // (smem + 1024), 65536 // (nw * 32 * 256)))
+    if (K != D or I % bn or bn & (bn - 1) or not 8 <= bn <= 256 or K % (sub * bk) or KO % bk or bo > 256
+            or stages < 1 or early < 0 or smem > limit - 1024 or nw & (nw - 1) or not 1 <= nw <= 8
+            or nprog > resident):
+        raise ValueError(f'KNOBS["o_gate_up"]: BLOCK_N {bn} (a power of two in 8..256 dividing {I} gate rows, '
+                         f'all {resident} resident at once), STAGE_K {kn["STAGE_K"]} (a multiple of {bk} dividing {K}), '
+                         f'STAGES {kn["STAGES"]}, EARLY {kn["EARLY"]}, num_warps {nw}: {smem} bytes of shared memory '
+                         f'a program against {limit}, o rows {bo} a program')
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[w_gu.dtype]
+    wo_desc = TensorDescriptor.from_tensor(wo, [bo, bk], gl.NVMMASharedLayout.get_default_for([bo, bk], el))
+    wgu_desc = TensorDescriptor.from_tensor(w_gu, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], el))
+    g, eps = norm
+    act = torch.empty(1, I, device=x.device, dtype=a.dtype)
+    _o_gate_up_kernel[(nprog,)](a, x, g, act, bar, eps, D, I, wo_desc, wgu_desc, K=K, KO=KO, BO=bo, BN=bn, BK=bk,
+                                SUB=sub, STAGES=stages, EARLY=early, NPROG=nprog, NW=nw,
+                                PDL=_early(pdl, "o_gate_up"), SPIN_LIMIT=int(kn["SPIN_LIMIT"]), num_warps=nw,
+                                **_launch(pdl))
+    return act
+
 def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None, rope=None):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off;
     rope: _gemv's, with the GEMV stage on)."""
@@ -1490,6 +1667,10 @@ def _decode(state, batch):
              and _stage("gemv") and _stage("attention"))
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers, l2 = list(state.layers), KNOBS["l2"]
+    # KNOBS["o_gate_up"]["FUSED"]: each layer's o_proj and gate_up in one kernel, a zeroed grid
+    # barrier counter a layer
+    ogu = not fused and _o_gate_up_ready(dev, fold)
+    bars = torch.zeros(len(layers), device=dev, dtype=torch.int32) if ogu else None
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
@@ -1502,8 +1683,12 @@ def _decode(state, batch):
               if l2.get("QKV_NEXT") and i + 1 < len(layers) and _stage("gemv") else None)
         o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
                        w_gu=w_gu if _stage("gemv") else None, l2_next=nq, roped=roped)
-        branch = project(o, wo, "o", w_gu=w_gu)
         w_down = w[p + "mlp.down_proj.weight"]
+        if ogu:  # o_proj and gate_up in one kernel (x += o's product inside it)
+            act = _o_gate_up(o, wo, x, w_gu, (w[p + "post_attention_layernorm.weight"], eps), pdl, bars[i:])
+            branch = project(act, w_down, "down")
+            continue
+        branch = project(o, wo, "o", w_gu=w_gu)
         if fused:  # x_next = x + mlp(x), one kernel
             if KNOBS["mlp"]["DOWN_T"]:  # the same [hidden, intermediate] matrix, rows of prepare's copy
                 w_down = state.scratch[f"down_t.{layer}"].t()
