@@ -28,13 +28,18 @@ def emit(res: dict, out: str | None) -> int:
     return 0
 
 
-def host_speed(repeats: int = 5) -> dict:
+def host_speed(repeats: int = 5, steps: int = 200) -> dict:
     """How fast this host runs the single-threaded work a CPU experiment is made of, right now
-    (about 0.1-0.3 s): `python_loop_ns`, one iteration of a plain Python loop, and `torch_op_us`,
-    one small torch op on one thread (dispatch, not arithmetic); each the median of `repeats`.
-    A CPU cycle's seconds scale with these, so results from different hours or hosts compare
-    only beside them."""
-    loop, op = [], []
+    (about half a second), each the median of `repeats` (the step: of `steps`), on one torch
+    thread: `python_loop_ns`, one iteration of a plain Python loop; `torch_op_us`, one small
+    torch op (dispatch, not arithmetic); `decode_step_ms`, one batch-1 decode step of the
+    reference Llama on the shrunk preset (context 60), outside the engine. A CPU cycle's seconds
+    scale with the step, so results from different hours or hosts compare only beside it."""
+    from engine_server.config import resolve_model, shrink
+    from engine_server.models import llama
+    from engine_server.state import State, decode_batch, new_cache
+    from engine_server.weights import init_weights
+    loop, op, step = [], [], []
     x = torch.ones(128)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -48,16 +53,29 @@ def host_speed(repeats: int = 5) -> dict:
             for _ in range(2_000):
                 x.add(x)
             op.append((time.perf_counter() - t) / 2_000 * 1e6)
+        cfg = shrink(resolve_model("llama-3.2-1b")[0])
+        weights = init_weights(cfg, 0, torch.float32, "cpu")
+        k, v = new_cache(cfg, 1, 128, torch.float32, "cpu")
+        state = State(cfg, weights, k, v, llama.tables(cfg, weights, 128, torch.float32, "cpu"),
+                      tuple(range(cfg.num_layers)))
+        batch = decode_batch(torch.tensor([7]), torch.tensor([60]), torch.tensor([0]))
+        for i in range(20 + steps):
+            t = time.perf_counter()
+            llama.forward(state, batch)
+            if i >= 20:
+                step.append((time.perf_counter() - t) * 1e3)
     finally:
         torch.set_num_threads(threads)
-    return {"python_loop_ns": round(statistics.median(loop), 1), "torch_op_us": round(statistics.median(op), 2)}
+    return {"python_loop_ns": round(statistics.median(loop), 1), "torch_op_us": round(statistics.median(op), 2),
+            "decode_step_ms": round(statistics.median(step), 3)}
 
 
 def host_line(host: dict) -> str:
     """One card line for `host_speed` readings by name (e.g. {"start": ..., "end": ...})."""
     return (f"this host, {' / '.join(host)}: a Python loop iteration "
             + " / ".join(f"{h['python_loop_ns']:.0f}" for h in host.values()) + " ns, a small torch op "
-            + " / ".join(f"{h['torch_op_us']:.2f}" for h in host.values()) + " us")
+            + " / ".join(f"{h['torch_op_us']:.2f}" for h in host.values()) + " us, the shrunk reference's decode step "
+            + " / ".join(f"{h['decode_step_ms']:.2f}" for h in host.values()) + " ms (one thread, outside the engine)")
 
 
 def capture(step) -> "torch.cuda.CUDAGraph":

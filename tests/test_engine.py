@@ -649,8 +649,9 @@ def test_kernel_resources_reads_each_decode_kernel_compiled_for_sm90():
 
 def test_cycle_bench_runs_on_the_cpu_and_records_the_hosts_speed():
     """benchmarks/cycle_bench.py end to end on the shrunk preset: live and restart cycles, both
-    tiers' seconds, and this host's speed at its start and end (`host_speed`: CPU cycles compare
-    across hours only beside it), in the card and the JSON (no timing is asserted)."""
+    tiers' seconds, and this host's speed at its start and end (`host_speed`, with the reference
+    decode step outside the engine: CPU cycles compare across hours only beside it), in the card
+    and the JSON (no timing is asserted)."""
     import math
     import subprocess
     import sys
@@ -659,9 +660,10 @@ def test_cycle_bench_runs_on_the_cpu_and_records_the_hosts_speed():
     import torch
     from benchmarks.common import host_line, host_speed
     threads = torch.get_num_threads()
-    h = host_speed(repeats=2)
+    h = host_speed(repeats=2, steps=20)
     assert torch.get_num_threads() == threads  # its one thread given back
-    assert set(h) == {"python_loop_ns", "torch_op_us"} and all(math.isfinite(v) and v > 0 for v in h.values())
+    assert set(h) == {"python_loop_ns", "torch_op_us", "decode_step_ms"}
+    assert all(math.isfinite(v) and v > 0 for v in h.values()), h
     assert host_line({"start": h, "end": h}).startswith("this host, start / end: a Python loop iteration ")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "benchmarks/cycle_bench.py", "--device", "cpu", "--shrink", "--n", "2",
