@@ -107,8 +107,7 @@ def main() -> int:
     limit = EX._smem_capable(dev)
     w = torch.randn((1 << 29) // K, K, device=dev, dtype=torch.bfloat16)  # 1 GiB
     out = torch.zeros(sms, device=dev, dtype=torch.float32)
-    layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], gl.bfloat16)
-    desc = EX.TensorDescriptor.from_tensor(w, [ROWS, BLOCK_K], layout)
+    desc = EX._gl_desc(w, [ROWS, BLOCK_K])
 
     def launch(method, steps, row0):
         if method == "tma":

@@ -695,8 +695,7 @@ def test_smem_fill_bench_kernels_compile_for_sm90():
         pytest.skip(str(e))
     from benchmarks.kernel_resources import compile_sm90
     w, out = torch.zeros(256, fb.K, dtype=torch.bfloat16), torch.zeros(132)
-    desc = fb.EX.TensorDescriptor.from_tensor(
-        w, [fb.ROWS, fb.BLOCK_K], fb.gl.NVMMASharedLayout.get_default_for([fb.ROWS, fb.BLOCK_K], fb.gl.bfloat16))
+    desc = fb.EX._gl_desc(w, [fb.ROWS, fb.BLOCK_K])
     for steps in (4, 48):
         kw = dict(BLOCK_N=fb.ROWS, BLOCK_K=fb.BLOCK_K, STEPS=steps, NW=4, num_warps=4)
         tma = compile_sm90(fb._fill_tma, (desc, out, 0), kw).asm["ptx"]

@@ -273,7 +273,7 @@ def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     assert not ex.exact and ex.first_mismatch.phase == "decode B=1", ex
 
 
-def test_smem_fill_bench_checks_every_program(tmp_path):
+def test_smem_fill_bench_checks_every_program():
     """benchmarks/smem_fill_bench.py at two sizes: every method's every program read back the
     rows it was given (its sum against torch's), and its rate is a number (none asserted)."""
     import json

@@ -1075,12 +1075,27 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gl_gdc(WAIT: gl.constexpr):
-        """griddepcontrol.wait (WAIT) or .launch_dependents: as _pdl_wait / _pdl_enter."""
+        """griddepcontrol.wait (WAIT) or .launch_dependents."""
         if WAIT:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         else:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                       is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gl_pdl_enter(PDL: gl.constexpr):
+        """_pdl_enter for Gluon kernels: PDL == 2 lets the next kernel launch now."""
+        if PDL == 2:
+            _gl_gdc(False)
+
+    @gluon.jit
+    def _gl_pdl_wait(PDL: gl.constexpr):
+        """_pdl_wait for Gluon kernels: with PDL, wait for the kernel before this one; PDL == 1
+        then lets the next one launch."""
+        if PDL:
+            _gl_gdc(True)
+            if PDL == 1:
+                _gl_gdc(False)
 
     @gluon.jit
     def _gemv_smem_kernel(x_ptr, w_ptr, out_ptr, g_ptr, eps, N, stride_wn, K: gl.constexpr,
@@ -1105,8 +1120,7 @@ if HAVE_GLUON:
         rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
         cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, L))
         nm = rows < N
-        if PDL == 2:
-            _gl_gdc(False)
+        _gl_pdl_enter(PDL)
         if TMA:
             smem = gl.allocate_shared_memory(w_desc.dtype, [STEPS, BLOCK_N, BLOCK_K], w_desc.layout)
             bar = gl.allocate_shared_memory(gl.int64, [1], _gl_mb.MBarrierLayout())
@@ -1125,10 +1139,7 @@ if HAVE_GLUON:
         xo = (gl.arange(0, STEPS, layout=gl.SliceLayout(1, XL))[:, None] * BLOCK_K
               + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))[None, :])
         ga = gl.load(g_ptr + xo).to(gl.float32)  # [STEPS, BLOCK_K]: the norm weight, before the wait
-        if PDL:
-            _gl_gdc(True)
-            if PDL == 1:
-                _gl_gdc(False)
+        _gl_pdl_wait(PDL)
         xa = gl.load(x_ptr + xo)
         sq = gl.sum(gl.sum(xa * xa, axis=1), axis=0)
         xs = gl.allocate_shared_memory(gl.float32, [STEPS, BLOCK_K], S, value=xa * ga)
@@ -1187,8 +1198,7 @@ if HAVE_GLUON:
         STEPS: gl.constexpr = K // (SUB * BK)  # the ring's stages of gate_up, in all
         OSTEPS: gl.constexpr = KO // BK
         pid = gl.program_id(0)
-        if PDL == 2:
-            _gl_gdc(False)
+        _gl_pdl_enter(PDL)
         o_s = gl.allocate_shared_memory(wo_desc.dtype, [OSTEPS, BO, BK], wo_desc.layout)
         g_s = gl.allocate_shared_memory(wgu_desc.dtype, [STAGES * SUB, BN, BK], wgu_desc.layout)
         u_s = gl.allocate_shared_memory(wgu_desc.dtype, [STAGES * SUB, BN, BK], wgu_desc.layout)
@@ -1207,10 +1217,7 @@ if HAVE_GLUON:
         gn = gl.allocate_shared_memory(gl.float32, [K // BK, 1, BK], S)
         for j in gl.static_range(K // BK):  # the norm weight, before the wait: no kernel writes it
             gn.index(j).store(gl.load(g_ptr + j * BK + cols).to(gl.float32))
-        if PDL:
-            _gl_gdc(True)
-            if PDL == 1:
-                _gl_gdc(False)
+        _gl_pdl_wait(PDL)
         for st in gl.static_range(EARLY, STAGES):
             _ogu_fill(wgu_desc, bars, g_s, u_s, pid * BN, I, st, st, SUB, BK)
         a_s = gl.allocate_shared_memory(gl.float32, [OSTEPS, 1, BK], S)
@@ -1426,6 +1433,13 @@ def _smem_capable(dev: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 0))
 
 
+def _gl_desc(t: torch.Tensor, block: list[int]):
+    """A bulk-copy (TMA) descriptor of 2-D `t` in `block` boxes, in the shared layout Gluon
+    picks for them."""
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, el))
+
+
 def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
     """_gemv's FOLD GEMV (one row, unsplit) by _gemv_smem_kernel: [1, 1, N] in out_dtype
     (limit: the shared memory a program may take)."""
@@ -1442,10 +1456,7 @@ def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
                          f'columns of at most 128 bytes)')
     out = torch.empty(1, 1, N, device=x.device, dtype=out_dtype)
     g, eps = norm
-    desc = w
-    if mode == "tma":
-        el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[w.dtype]
-        desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], el))
+    desc = _gl_desc(w, [bn, bk]) if mode == "tma" else w
     _gemv_smem_kernel[(triton.cdiv(N, bn),)](x, w, out, g, eps, N, w.stride(0), K=K, BLOCK_N=bn, BLOCK_K=bk, NW=nw,
                                              PDL=_early(pdl, knob),
                                              EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
@@ -1454,7 +1465,6 @@ def _gemv_smem(x, w, knob, out_dtype, pdl, norm, limit):
                                              **({"maxnreg": int(kn["maxnreg"])} if kn.get("maxnreg") else {}),
                                              **_launch(pdl))
     return out
-
 
 
 def _o_gate_up_ready(dev: torch.device, fold: bool) -> bool:
@@ -1494,9 +1504,7 @@ def _o_gate_up(a, wo, x, w_gu, norm, pdl, bar):
                          f'all {resident} resident at once), STAGE_K {kn["STAGE_K"]} (a multiple of {bk} dividing {K}), '
                          f'STAGES {kn["STAGES"]}, EARLY {kn["EARLY"]}, num_warps {nw}: {smem} bytes of shared memory '
                          f'a program against {limit}, o rows {bo} a program')
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[w_gu.dtype]
-    wo_desc = TensorDescriptor.from_tensor(wo, [bo, bk], gl.NVMMASharedLayout.get_default_for([bo, bk], el))
-    wgu_desc = TensorDescriptor.from_tensor(w_gu, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], el))
+    wo_desc, wgu_desc = _gl_desc(wo, [bo, bk]), _gl_desc(w_gu, [bn, bk])
     g, eps = norm
     act = torch.empty(1, I, device=x.device, dtype=a.dtype)
     _o_gate_up_kernel[(nprog,)](a, x, g, act, bar, eps, D, I, wo_desc, wgu_desc, K=K, KO=KO, BO=bo, BN=bn, BK=bk,
@@ -1504,6 +1512,7 @@ def _o_gate_up(a, wo, x, w_gu, norm, pdl, bar):
                                 PDL=_early(pdl, "o_gate_up"), SPIN_LIMIT=int(kn["SPIN_LIMIT"]), num_warps=nw,
                                 **_launch(pdl))
     return act
+
 
 def _linear(x, w, knob, silu=False, pdl=False, w_gu=None, l2_next=None, rope=None):
     """[1 or SPLIT, B, N] partials of x @ w^T (Triton GEMV, or F.linear when that stage is off;
