@@ -11,7 +11,8 @@ GEMV reads W (an o_proj-sized [2048, 2048] bf16 weight, or gate_up's rows). Duri
 a side stream (a parallel branch of the graph) does nothing (`none`), copies W to scratch
 (`copy`), or reads W in a kernel (`sum`: the SM prefetch); `warm` reads W on the main stream
 before the window (the best an L2 prefetch can do). The card gives, per mode, the median
-time from the window's start to the GEMV's end, and the GEMV's own time.
+time of a replay and the GEMV's own time (eager), and whether every replay's GEMV (and copy)
+gave torch's result (`checked`).
 """
 from __future__ import annotations
 
@@ -99,15 +100,22 @@ def main() -> None:
             with torch.cuda.graph(g):
                 record(mode, w, x, y, scratch, acc, flush, flushed, side, cycles, None)
             graphs[mode] = g
+        want = torch.mv(w, x)
         got = {m: [] for m in MODES}
+        checked = {}
         for _ in range(args.reps):
             for mode in MODES:
+                y.zero_()
+                scratch.zero_()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 graphs[mode].replay()
                 b.record()
                 torch.cuda.synchronize()
                 got[mode].append(a.elapsed_time(b) * 1e3)
+                # the replay computed the GEMV (and, copying, the copy) it is timed for
+                checked[mode] = checked.get(mode, True) and torch.equal(y, want) and (
+                    mode != "copy" or torch.equal(scratch, w))
         read = {}
         for mode in MODES:  # the GEMV's own time, eagerly, in the state the graph leaves before it
             xs = []
@@ -117,11 +125,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 xs.append(ev[1].elapsed_time(ev[2]) * 1e3)
             read[mode] = round(statistics.median(xs), 2)
-        res = {m: {"replay_us": round(statistics.median(got[m]), 2), "gemv_eager_us": read[m]} for m in MODES}
+        res = {m: {"replay_us": round(statistics.median(got[m]), 2), "gemv_eager_us": read[m],
+                   "checked": checked[m]} for m in MODES}
         out["shapes"][name] = {"bytes": w.numel() * 2, **res}
         print(f"{name} ({w.numel() * 2 / 1e6:.1f} MB), replay (flush + window + GEMV) / the GEMV alone, eager:")
         for m, r in res.items():
-            print(f"  {m:5s} {r['replay_us']:7.1f} us  {r['gemv_eager_us']:6.1f} us")
+            print(f"  {m:5s} {r['replay_us']:7.1f} us  {r['gemv_eager_us']:6.1f} us"
+                  + ("" if r["checked"] else "  (its output differs from torch.mv's)"))
     # what runs the copy: a copy engine (a "Memcpy DtoD" activity) or a kernel
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -316,3 +316,20 @@ def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
     assert len(calls) == len(cuda_engine.candidate_state(c).layers), calls
     tol = cuda_engine.check_bit_exact(ids[1], mode="tolerance")
     assert tol.close and tol.tokens_equal, tol
+
+
+def test_l2_copy_probe_checks_every_replay():
+    """benchmarks/l2_copy_probe.py: every mode's graph replays computed the GEMV (and the copy)
+    it times, for each weight shape; the times are numbers (none asserted)."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "benchmarks/l2_copy_probe.py", "--reps", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(res["shapes"]) == 3 and res["copy_runs_as"], res
+    for name, shape in res["shapes"].items():
+        for mode in ("none", "copy", "sum", "warm"):
+            assert shape[mode]["checked"] and shape[mode]["replay_us"] > 0, (name, mode, shape[mode])
