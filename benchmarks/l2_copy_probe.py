@@ -41,7 +41,7 @@ def sleep_cycles_per_us() -> float:
     return 1_000_000 / (a.elapsed_time(b) * 1e3)
 
 
-def record(mode: str, w, x, y, scratch, acc, flush, flushed, side, cycles: int, ev: list) -> None:
+def record(mode: str, w, x, y, scratch, acc, flush, flushed, side, cycles: int, ev: list | None) -> None:
     """One trial's work on the current (main) stream; `ev`: [start, read, end] events to record
     (None while a graph captures it)."""
     main = torch.cuda.current_stream()
