@@ -127,8 +127,9 @@ def main() -> None:
             read[mode] = round(statistics.median(xs), 2)
         res = {m: {"replay_us": round(statistics.median(got[m]), 2), "gemv_eager_us": read[m],
                    "checked": checked[m]} for m in MODES}
-        out["shapes"][name] = {"bytes": w.numel() * 2, **res}
-        print(f"{name} ({w.numel() * 2 / 1e6:.1f} MB), replay (flush + window + GEMV) / the GEMV alone, eager:")
+        size = w.numel() * w.element_size()
+        out["shapes"][name] = {"bytes": size, **res}
+        print(f"{name} ({size / 1e6:.1f} MB), replay (flush + window + GEMV) / the GEMV alone, eager:")
         for m, r in res.items():
             print(f"  {m:5s} {r['replay_us']:7.1f} us  {r['gemv_eager_us']:6.1f} us"
                   + ("" if r["checked"] else "  (its output differs from torch.mv's)"))

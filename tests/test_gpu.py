@@ -273,17 +273,22 @@ def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     assert not ex.exact and ex.first_mismatch.phase == "decode B=1", ex
 
 
-def test_smem_fill_bench_checks_every_program():
-    """benchmarks/smem_fill_bench.py at two sizes: every method's every program read back the
-    rows it was given (its sum against torch's), and its rate is a number (none asserted)."""
+def _bench(script: str, *argv: str) -> dict:
+    """Run benchmarks/<script> with argv in a fresh process; its last line, the JSON result."""
     import json
     import subprocess
     import sys
     from conftest import ROOT
-    out = subprocess.run([sys.executable, "benchmarks/smem_fill_bench.py", "--kib", "16,64", "--repeats", "2"],
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", *argv],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_smem_fill_bench_checks_every_program():
+    """benchmarks/smem_fill_bench.py at two sizes: every method's every program read back the
+    rows it was given (its sum against torch's), and its rate is a number (none asserted)."""
+    res = _bench("smem_fill_bench.py", "--kib", "16,64", "--repeats", "2")
     assert sorted((r["method"], r["kib_per_program"]) for r in res["rows"]) == sorted(
         (m, k) for m in ("tma", "cp.async", "registers") for k in (16.0, 64.0))
     assert all(r["checked"] and r["us"] > 0 for r in res["rows"]), res["rows"]
@@ -321,14 +326,7 @@ def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
 def test_l2_copy_probe_checks_every_replay():
     """benchmarks/l2_copy_probe.py: every mode's graph replays computed the GEMV (and the copy)
     it times, for each weight shape; the times are numbers (none asserted)."""
-    import json
-    import subprocess
-    import sys
-    from conftest import ROOT
-    out = subprocess.run([sys.executable, "benchmarks/l2_copy_probe.py", "--reps", "3"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = _bench("l2_copy_probe.py", "--reps", "3")
     assert len(res["shapes"]) == 3 and res["copy_runs_as"], res
     for name, shape in res["shapes"].items():
         for mode in ("none", "copy", "sum", "warm"):
