@@ -106,7 +106,7 @@ def compile_sm90(fn, args, kw):
     import triton
     from triton.backends.compiler import GPUTarget
     sig, consts, attrs = specialise(fn, args, kw)
-    opts = {o: kw[o] for o in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if o in kw}
+    opts = {o: kw[o] for o in ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg") if o in kw}
     source = triton.compiler.ASTSource
     if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel (triton.experimental.gluon)
         from triton.experimental.gluon._runtime import GluonASTSource as source

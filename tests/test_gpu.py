@@ -323,6 +323,43 @@ def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
     assert tol.close and tol.tokens_equal, tol
 
 
+class _Launches:
+    """Stands in for a kernel (`kernel[grid](...)`), counting its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+def test_attention_in_one_cluster_keeps_the_step(cuda_engine):
+    """The H200 winner with KNOBS["attn"]["CLUSTER"] (the attention and its combine as one Gluon
+    kernel, a cluster of NSPLIT CTAs a kv head merging their partials after a cluster barrier),
+    with 16 and 8 splits: that kernel runs once a layer, and the logits are those of the two
+    kernels it replaces within the folded pass's last-bit flips, eager and from the graph."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    off = '"EARLY_INPUTS": True, "CLUSTER": False}'
+    assert base.count(off) == 1 and base.count('"NSPLIT": 16,') == 1
+    on = base.replace(off, '"EARLY_INPUTS": True, "CLUSTER": True}')
+    ids = _same_logits(cuda_engine, {"attn-apart": base, "attn-cluster": on,
+                                     "attn-cluster-8": on.replace('"NSPLIT": 16,', '"NSPLIT": 8,')}, rel=2e-2)
+    for cid in ids[1:]:
+        c = cuda_engine.candidates[cid]
+        st = cuda_engine.candidate_state(c)
+        inner = c.module._attn_cluster_kernel
+        c.module._attn_cluster_kernel = count = _Launches(inner)
+        try:
+            c.forward(st, decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
+                                       torch.tensor([0], device="cuda")))
+        finally:
+            c.module._attn_cluster_kernel = inner
+        assert count.n == len(st.layers), (cid, count.n)
+
+
 def test_l2_copy_probe_checks_every_replay():
     """benchmarks/l2_copy_probe.py: every mode's graph replays computed the GEMV (and the copy)
     it times, for each weight shape; the times are numbers (none asserted)."""

@@ -231,8 +231,11 @@ KNOBS = {
     # _rope_kv_kernel launch). PRELOAD_KV: each split's first block of K/V (earlier steps' cells)
     # is loaded before the PDL wait, the row of this step's position re-read after it.
     # EARLY_INPUTS: the step's position, slot and RoPE table rows are loaded before the wait.
+    # CLUSTER (batch 1, bf16, online softmax, FUSE_ROPE; CUDA, compute capability 9.0+): the
+    # attention and its combine as one Gluon kernel (_attn_cluster_kernel), a cluster of NSPLIT
+    # CTAs per kv head, the splits' partials merged after a cluster barrier: no combine launch
     "attn": {"BLOCK_S": 64, "NSPLIT": 16, "EXACT_SOFTMAX": False, "FUSE_ROPE": True, "num_warps": 4,
-             "num_stages": 1, "PRELOAD_KV": False, "EARLY_INPUTS": True},
+             "num_stages": 1, "PRELOAD_KV": False, "EARLY_INPUTS": True, "CLUSTER": False},
     # EARLY_TRIGGER (with PDL): this group's kernels let the next kernel launch at their entry
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
     # a kernel earlier; the next kernel still waits for this one's results. The GEMV groups
@@ -1284,6 +1287,149 @@ if HAVE_GLUON:
         rows_g = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
         gl.store(act_ptr + rows_g, (sv * uv).to(act_ptr.dtype.element_ty), mask=rows_g < I)
 
+    @gluon.jit
+    def _gl_st(ptrs, vals, mask, BITS: gl.constexpr):
+        """st.global of `vals` (BITS 32: float32, 16: bf16 / fp16) at `ptrs` where `mask`, by every
+        CTA of a cluster (Gluon predicates its own stores of a cluster-replicated layout to CTA 0)."""
+        if BITS == 32:
+            gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.global.b32 [$1], $2; "
+                                      "mov.u32 $0, 0; }", "=r,l,r,r",
+                                      [ptrs, vals.to(gl.int32, bitcast=True), mask.to(gl.int32)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $3, 0; @p st.global.b16 [$1], $2; "
+                                      "mov.u32 $0, 0; }", "=r,l,h,r",
+                                      [ptrs, vals.to(gl.int16, bitcast=True), mask.to(gl.int32)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gl_cluster_rank():
+        """This CTA's rank in its cluster."""
+        return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _gl_cluster_sync():
+        """Every CTA of the cluster: its writes before (release) seen by all after (acquire)."""
+        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+                                  "// $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gl_bf(x):
+        """float32 rounded to bfloat16 and back (the reference's rounding points; bf16 models)."""
+        return x.to(gl.bfloat16).to(gl.float32)
+
+    @gluon.jit
+    def _gl_rope_rows(base, NP, stride_s, rows, d, c, sn, HD: gl.constexpr):
+        """Rows at base + rows ([N, 1] offsets of heads) of NP qkv partials summed (columns d,
+        [1, HD]), then RoPE'd with the table rows c, sn ([N, HD] float32, the result's layout),
+        rounded where _rope_heads rounds: float32 holding bf16 values."""
+        part = (d + HD // 2) % HD  # rotate-half partner
+        x = c * 0.0
+        xp = c * 0.0
+        for s in range(0, NP):
+            x += gl.load(base + s * stride_s + rows + d).to(gl.float32)
+            xp += gl.load(base + s * stride_s + rows + part).to(gl.float32)
+        x = _gl_bf(x)
+        xp = _gl_bf(xp)
+        return _gl_bf(_gl_bf(x * c) + _gl_bf(xp * sn))
+
+    @gluon.jit
+    def _attn_cluster_kernel(qkv_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, o_ptr,
+                             po_ptr, pm_ptr, pl_ptr, scale, NP, stride_qkv_s, stride_cos,
+                             s_slot, s_head, s_seq,
+                             H: gl.constexpr, G: gl.constexpr, HD: gl.constexpr, NC: gl.constexpr,
+                             BS: gl.constexpr, L3: gl.constexpr, LQ: gl.constexpr, LC: gl.constexpr,
+                             PDL: gl.constexpr, KV_EV: gl.constexpr):
+        """Batch 1, bf16: kv head `kvh` (the cluster's index) of this step's attention with online
+        softmax, as _attn_kernel's PHASE 0 with FUSE_ROPE, WRITE_KV and EARLY_INPUTS, and its
+        combine, in one launch: a cluster of NC CTAs, CTA `rank` one split of the keys 0..pos.
+        Each CTA RoPEs the G query rows and this step's k, sums v, and the split holding pos
+        writes its cache cell; it scores its keys (float32 products of bf16 values, rounded as
+        _scores rounds), stores its partial (po [H, NC, HD], pm / pl [H, NC], float32), and
+        after a cluster barrier (release / acquire) merges HD * G / NC of the head group's
+        outputs from every split's partial, as _attn_combine_kernel does, into o (bf16).
+        Layouts (constexpr, each replicated over the cluster's CTAs): L3 [G, BS, HD] for the
+        products, LQ [G, HD] for stores, LC [NC, HD * G / NC] for the merge. Its stores are
+        inline PTX (Gluon would let only CTA 0 store a replicated layout)."""
+        kvh = gl.program_id(0)  # the cluster
+        rank = _gl_cluster_rank()
+        _gl_pdl_enter(PDL)
+        LK: gl.constexpr = gl.SliceLayout(0, L3)  # [BS, HD]
+        LG: gl.constexpr = gl.SliceLayout(1, L3)  # [G, HD]
+        LS: gl.constexpr = gl.SliceLayout(2, L3)  # [G, BS]
+        s_k = gl.arange(0, BS, layout=gl.SliceLayout(1, LK))[:, None]
+        d_k = gl.arange(0, HD, layout=gl.SliceLayout(0, LK))[None, :]
+        g_s = gl.arange(0, G, layout=gl.SliceLayout(1, LQ))[:, None]  # [G, HD] tiles, one element a thread
+        d_s = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))[None, :]
+        pos = gl.load(pos_ptr).to(gl.int32)  # the step's inputs and tables: before the wait
+        slot = gl.load(slot_ptr).to(gl.int64)
+        ds2 = d_s + 0 * g_s
+        c_s = gl.load(cos_ptr + pos * stride_cos + ds2).to(gl.float32)
+        sn_s = gl.load(sin_ptr + pos * stride_cos + ds2).to(gl.float32)
+        _gl_pdl_wait(PDL)
+        q = gl.convert_layout(_gl_rope_rows(qkv_ptr + (kvh * G) * HD, NP, stride_qkv_s, g_s * HD, d_s, c_s, sn_s,
+                                            HD), LG)
+        n = pos + 1
+        per = (n + NC - 1) // NC
+        chunk = (per + BS - 1) // BS * BS
+        start = rank * chunk
+        end = gl.minimum(start + chunk, n)
+        base = slot * s_slot + kvh * s_head
+        # this step's k and v (row 0 of [G, HD] tiles), written by the split holding pos
+        one = (g_s == 0) & (ds2 >= 0)
+        k = _gl_rope_rows(qkv_ptr + (H + kvh) * HD, NP, stride_qkv_s, 0 * g_s, d_s, c_s, sn_s, HD)
+        v = c_s * 0.0
+        for s in range(0, NP):
+            v += gl.load(qkv_ptr + s * stride_qkv_s + (H + H // G + kvh) * HD + ds2).to(gl.float32)
+        cell = base + pos.to(gl.int64) * s_seq + ds2
+        wm = one & (pos >= start) & (pos < end)
+        _gl_st(kc_ptr + cell, k.to(gl.bfloat16), wm, 16)
+        _gl_st(vc_ptr + cell, v.to(gl.bfloat16), wm, 16)
+        _gl_barrier()  # the CTA's own cache writes, visible to its loads below
+        m_i = gl.full([G], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LS))
+        l_i = gl.zeros([G], gl.float32, layout=gl.SliceLayout(1, LS))
+        acc = gl.zeros([G, HD], gl.float32, layout=LG)
+        q3 = q[:, None, :]
+        for s0 in range(start, end, BS):
+            offs = s0 + s_k
+            valid = (offs < end) & (d_k >= 0)
+            kt = gl.load(kc_ptr + base + offs.to(gl.int64) * s_seq + d_k, mask=valid, other=0.0,
+                         eviction_policy=KV_EV).to(gl.float32)
+            vt = gl.load(vc_ptr + base + offs.to(gl.int64) * s_seq + d_k, mask=valid, other=0.0,
+                         eviction_policy=KV_EV).to(gl.float32)
+            sc = _gl_bf(_gl_bf(gl.sum(q3 * kt[None, :, :], axis=2)) * scale)  # [G, BS]
+            cols = s0 + gl.arange(0, BS, layout=gl.SliceLayout(0, LS))[None, :]
+            sc = gl.where(cols < end, sc, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+            alpha = gl.exp(m_i - m_new)
+            p = gl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            pv = gl.sum(_gl_bf(p)[:, :, None] * vt[None, :, :], axis=1)  # [G, HD]
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LG))[:, None] + pv
+            m_i = m_new
+        # the split's partial
+        row = (kvh * G + g_s) * NC + rank
+        _gl_st(po_ptr + row * HD + d_s, gl.convert_layout(acc, LQ), (g_s >= 0) & (d_s >= 0), 32)
+        mq = gl.convert_layout(m_i, gl.SliceLayout(1, LQ))[:, None] + 0.0 * d_s
+        lq = gl.convert_layout(l_i, gl.SliceLayout(1, LQ))[:, None] + 0.0 * d_s
+        _gl_st(pm_ptr + row + 0 * d_s, mq, d_s == 0, 32)
+        _gl_st(pl_ptr + row + 0 * d_s, lq, d_s == 0, 32)
+        _gl_cluster_sync()
+        # the merge: this CTA's OUT outputs of the head group (head hh, columns c0..)
+        OUT: gl.constexpr = G * HD // NC
+        hh = kvh * G + (rank * OUT) // HD
+        c0 = (rank * OUT) % HD
+        sp = gl.arange(0, NC, layout=gl.SliceLayout(1, LC))[:, None]
+        dc = gl.arange(0, OUT, layout=gl.SliceLayout(0, LC))[None, :]
+        pa = gl.load(po_ptr + (hh * NC + sp) * HD + c0 + dc, cache_modifier=".cg")
+        pm = gl.load(pm_ptr + hh * NC + sp + 0 * dc, cache_modifier=".cg")
+        pl = gl.load(pl_ptr + hh * NC + sp + 0 * dc, cache_modifier=".cg")
+        mx = gl.max(pm, axis=0)[None, :]
+        wgt = gl.exp(pm - mx)
+        out = gl.sum(pa * wgt, axis=0) / gl.sum(pl * wgt, axis=0)
+        _gl_st(o_ptr + hh * HD + c0 + dc, out[None, :].to(gl.bfloat16), dc >= 0, 16)
+
 
 # ---- launchers -------------------------------------------------------------------------
 
@@ -1566,6 +1712,32 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
+
+def _attn_cluster_ready(dev, B, dtype, fuse, exact, nsplit, G, hd) -> bool:
+    """KNOBS["attn"]["CLUSTER"] applies: batch 1, bf16, online softmax with RoPE fused, NSPLIT a
+    power of two in 2..16 (the cluster's CTAs) dividing G * hd, and a device that runs Gluon's
+    cluster launches (compute capability 9.0+, not the interpreter)."""
+    return (bool(KNOBS["attn"].get("CLUSTER", False)) and B == 1 and dtype == torch.bfloat16 and fuse
+            and not exact and nsplit in (2, 4, 8, 16) and (G * hd) % nsplit == 0 and G & (G - 1) == 0
+            and hd & (hd - 1) == 0 and HAVE_GLUON and _pdl_capable(dev))
+
+
+_CLUSTER_LAYOUTS: dict = {}
+
+
+def _cluster_layouts(G: int, bs: int, hd: int, nc: int, nw: int):
+    """The layouts of _attn_cluster_kernel (L3, LQ, LC), replicated over nc CTAs."""
+    key = (G, bs, hd, nc, nw)
+    if key not in _CLUSTER_LAYOUTS:
+        cga = nc.bit_length() - 1
+        out = G * hd // nc
+        _CLUSTER_LAYOUTS[key] = (
+            gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, nw, 1], [2, 1, 0], cga_layout=[[0, 0, 0]] * cga),
+            gl.BlockedLayout([1, 2], [4, 8], [1, nw], [1, 0], cga_layout=[[0, 0]] * cga),
+            gl.BlockedLayout([1, 1], [32 // min(out, 32), min(out, 32)], [nw, 1], [1, 0], cga_layout=[[0, 0]] * cga))
+    return _CLUSTER_LAYOUTS[key]
+
+
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None,
                roped=False):
     """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
@@ -1611,6 +1783,16 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         pl = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
     else:
         po = pm = pl = o
+    if nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
+        nw = int(ka["num_warps"])
+        l3, lq, lc = _cluster_layouts(G, int(ka["BLOCK_S"]), hd, nsplit, nw)
+        _attn_cluster_kernel[(KV,)](qkv, kc, vc, pos, slots, cos, sin, o, po, pm, pl, hd ** -0.5, NP, qkv.stride(0),
+                                    cos.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+                                    H=H, G=G, HD=hd, NC=nsplit, BS=int(ka["BLOCK_S"]), L3=l3, LQ=lq, LC=lc,
+                                    PDL=_early(pdl, "attn"),
+                                    KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
+                                    num_warps=nw, num_ctas=nsplit, **_launch(pdl))
+        return o
     args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
             kc.stride(0), kc.stride(1), kc.stride(2))
     rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))

@@ -45,8 +45,8 @@ LADDER = {
 WINNERS = {
     "llama_triton_decode_h200.py": (
         [('"EXACT_SOFTMAX": True, "FUSE_ROPE": False,', '"EXACT_SOFTMAX": False, "FUSE_ROPE": True,'),
-         ('"num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False},',
-          '"num_stages": 1, "PRELOAD_KV": False, "EARLY_INPUTS": True},'),
+         ('"num_stages": 4, "PRELOAD_KV": True, "EARLY_INPUTS": False,',
+          '"num_stages": 1, "PRELOAD_KV": False, "EARLY_INPUTS": True,'),
          ('"lm_head": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
           '"lm_head": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,\n'
           '                "REDUCE_EACH": True,'),
