@@ -162,6 +162,7 @@ attention-only -> +norm -> +gemv (see make_ladder.py next to it).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -1697,7 +1698,6 @@ def _add_norm(x, h, branch, weight, eps, tokens=None, emb=None, pdl=False, norm=
         h.copy_(F.rms_norm(x, (D,), weight, eps))
 
 
-
 def _attn_cluster_ready(dev, B, dtype, fuse, exact, nsplit, G, hd) -> bool:
     """KNOBS["attn"]["CLUSTER"] applies: batch 1, bf16, online softmax with RoPE fused, NSPLIT a
     power of two in 2..16 (the cluster's CTAs) dividing G * hd, and a device that runs Gluon's
@@ -1707,20 +1707,14 @@ def _attn_cluster_ready(dev, B, dtype, fuse, exact, nsplit, G, hd) -> bool:
             and hd & (hd - 1) == 0 and HAVE_GLUON and _pdl_capable(dev))
 
 
-_CLUSTER_LAYOUTS: dict = {}
-
-
-def _cluster_layouts(G: int, bs: int, hd: int, nc: int, nw: int):
+@functools.lru_cache(maxsize=None)
+def _cluster_layouts(G: int, hd: int, nc: int, nw: int):
     """The layouts of _attn_cluster_kernel (L3, LQ, LC), replicated over nc CTAs."""
-    key = (G, bs, hd, nc, nw)
-    if key not in _CLUSTER_LAYOUTS:
-        cga = nc.bit_length() - 1
-        out = G * hd // nc
-        _CLUSTER_LAYOUTS[key] = (
-            gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, nw, 1], [2, 1, 0], cga_layout=[[0, 0, 0]] * cga),
+    cga = nc.bit_length() - 1
+    out = G * hd // nc
+    return (gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, nw, 1], [2, 1, 0], cga_layout=[[0, 0, 0]] * cga),
             gl.BlockedLayout([1, 2], [4, 8], [1, nw], [1, 0], cga_layout=[[0, 0]] * cga),
             gl.BlockedLayout([1, 1], [32 // min(out, 32), min(out, 32)], [nw, 1], [1, 0], cga_layout=[[0, 0]] * cga))
-    return _CLUSTER_LAYOUTS[key]
 
 
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None,
@@ -1770,7 +1764,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         po = pm = pl = o
     if nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
         nw = int(ka["num_warps"])
-        l3, lq, lc = _cluster_layouts(G, int(ka["BLOCK_S"]), hd, nsplit, nw)
+        l3, lq, lc = _cluster_layouts(G, hd, nsplit, nw)
         _attn_cluster_kernel[(KV,)](qkv, kc, vc, pos, slots, cos, sin, o, po, pm, pl, hd ** -0.5, NP, qkv.stride(0),
                                     cos.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
                                     H=H, G=G, HD=hd, NC=nsplit, BS=int(ka["BLOCK_S"]), L3=l3, LQ=lq, LC=lc,
