@@ -317,8 +317,8 @@ def step_graph(cand, st, static) -> "torch.cuda.CUDAGraph":
     warm-up before the capture writes K/V at the positions it passes; the caller resets them."""
     def body() -> None:
         out = cand.forward(st, static)
-        argmax(out, out=static.tokens)  # engine_server.greedy: torch.argmax's result in two passes
-        static.positions.add_(1)
+        # engine_server.greedy: torch.argmax's result in two passes, the position's + 1 in the second
+        argmax(out, out=static.tokens, advance=static.positions)
     return capture(body)[0]
 
 

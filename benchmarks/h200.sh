@@ -75,8 +75,10 @@ memory)  # the H200 winner alone: peak GPU memory of the engine with it, what it
     python3 benchmarks/forward_bench.py --device cuda --budget-s 0 --skip-hf --skip-compile --no-full \
         --out "$OUT/memory.json" "${winners[0]}" 2>&1 | tail -n 12 | cut -c1-400
     ;;
-greedy)  # the greedy sampler inside a captured step: torch.argmax against engine_server.greedy
-    python3 benchmarks/greedy_bench.py --device cuda --out "$OUT/greedy.json" 2>&1 | grep -v '^{' | tee "$OUT/greedy.txt"
+greedy)  # the greedy sampler inside a captured step: torch.argmax against engine_server.greedy;
+    # PRODUCER=lm_head: after a PDL-launched lm_head GEMV (plain launches, PDL, PDL + advance)
+    python3 benchmarks/greedy_bench.py --device cuda --producer "${PRODUCER:-none}" --out "$OUT/greedy.json" 2>&1 \
+        | grep -v '^{' | tee "$OUT/greedy.txt"
     ;;
 engine)
     python3 benchmarks/engine_bench.py --device cuda --repeats 3 --out "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
