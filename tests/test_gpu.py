@@ -368,3 +368,53 @@ def test_l2_copy_probe_checks_every_replay():
     for name, shape in res["shapes"].items():
         for mode in ("none", "copy", "sum", "warm"):
             assert shape[mode]["checked"] and shape[mode]["replay_us"] > 0, (name, mode, shape[mode])
+
+
+def test_gathered_embedding_row_keeps_the_step(cuda_engine):
+    """The H200 winner with KNOBS["norm"]["GATHER"] (the first qkv reads the token's embedding
+    row and writes it into the residual stream): no embedding kernel runs in a batch-1 step, and
+    the logits are those of the step with it within the folded pass's last-bit flips (its atomics
+    land in any order), eager and from the graph; the tolerance gate passes with equal tokens."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    off = '"FOLD": True, "GATHER": False}'
+    assert base.count(off) == 1
+    ids = _same_logits(cuda_engine, {"embed-kernel": base,
+                                     "embed-gathered": base.replace(off, '"FOLD": True, "GATHER": True}')}, rel=2e-2)
+    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"), torch.tensor([0], device="cuda"))
+    for cid, want in zip(ids, (1, 0)):
+        c = cuda_engine.candidates[cid]
+        inner = c.module._add_norm_kernel
+        c.module._add_norm_kernel = count = _Launches(inner)
+        try:
+            c.forward(cuda_engine.candidate_state(c), b)
+        finally:
+            c.module._add_norm_kernel = inner
+        assert count.n == want, (cid, count.n)
+    tol = cuda_engine.check_bit_exact(ids[1], mode="tolerance")
+    assert tol.close and tol.tokens_equal, tol
+
+
+def test_greedy_sampler_with_pdl_and_advance_is_torch_argmax():
+    """engine_server.greedy on CUDA: the Triton passes launched with programmatic dependent
+    launch, and with the position's + 1 in their second kernel, give torch.argmax's indices
+    (ties, NaN, a short last slice), eagerly; and in captured steps after a PDL-launched GEMV
+    (benchmarks/greedy_bench.py --producer lm_head) every sampler picks the planted tie's first
+    index and advances the position once a step. The times are numbers (none asserted)."""
+    from test_greedy import _rows
+
+    from engine_server import greedy
+    assert greedy.pdl_capable(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    for V in (128256, 5000, 1100):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _rows(V, dtype).cuda()
+            for pdl in (False, True) if greedy.pdl_capable(x.device) else (False,):
+                pos = torch.tensor([[7], [0], [3], [9], [1]], device="cuda")
+                got = greedy.argmax(x, impl="triton", pdl=pdl, advance=pos)
+                assert torch.equal(got, torch.argmax(x, -1, keepdim=True)), (V, dtype, pdl)
+                assert pos.view(-1).tolist() == [8, 1, 4, 10, 2], (V, dtype, pdl)
+    res = _bench("greedy_bench.py", "--producer", "lm_head", "--replays", "50", "--repeats", "2")
+    names = [r["sampler"] for r in res["results"]]
+    assert names == ["none", "torch.argmax", "triton, plain launches", "triton, PDL", "triton, PDL + advance"], names
+    assert all(r["equal"] and r["advances"] and r["us"] > 0 for r in res["results"]), res["results"]
