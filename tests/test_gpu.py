@@ -124,7 +124,7 @@ def test_triton_decode_with_folded_norms_passes_the_tolerance_gate(cuda_engine):
     from conftest import ROOT
     from engine_server.state import decode_batch
     src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    fold = src.replace('"EARLY_TRIGGER": False, "FOLD": False,', '"EARLY_TRIGGER": False, "FOLD": True,', 1)
+    fold = src.replace('"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}', 1)
     assert fold != src
     r = cuda_engine.submit_forward_pass(fold, name="triton-fold")
     assert r.ok and r.graphs, (r.error, r.notes)
@@ -199,10 +199,10 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     assert '"END_DOWN": True, "END_QKV": True' in knobs
     knobs = knobs.replace('"REDUCE_EACH": True, "PIPE": False}', '"REDUCE_EACH": True, "PIPE": False, "maxnreg": 128}', 1)
     assert knobs.count("maxnreg\": 128") == 1
-    unfold = '"FOLD": True,'
+    unfold = '"FOLD": True}'
     assert base.count(unfold) == 1
-    _same_logits(cuda_engine, {"l2-off": base.replace(unfold, '"FOLD": False,'),
-                               "l2-on": knobs.replace(unfold, '"FOLD": False,')})
+    _same_logits(cuda_engine, {"l2-off": base.replace(unfold, '"FOLD": False}'),
+                               "l2-on": knobs.replace(unfold, '"FOLD": False}')})
     _same_logits(cuda_engine, {"l2-off-folded": base, "l2-on-folded": knobs}, rel=2e-2)
 
 
@@ -218,11 +218,11 @@ def test_qkv_rope_and_smem_keep_the_step(cuda_engine):
     src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
     tile = '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2,'
     off = '"PIPE": False, "ROPE": False, "SMEM": False},'
-    unfold = '"EARLY_TRIGGER": False, "FOLD": False,'
+    unfold = '"EARLY_TRIGGER": False, "FOLD": False}'
     assert src.count(tile) == 1 and src.count(off) == 1 and src.count(unfold) == 1
     base = src.replace(tile, '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1,', 1)
     rope = base.replace(off, '"PIPE": False, "ROPE": True, "SMEM": False},')
-    fold = '"EARLY_TRIGGER": False, "FOLD": True,'
+    fold = '"EARLY_TRIGGER": False, "FOLD": True}'
     _same_logits(cuda_engine, {"rope-off": base, "rope-on": rope})
     _same_logits(cuda_engine, {"rope-off-folded": base.replace(unfold, fold),
                                "rope-on-folded": rope.replace(unfold, fold)}, rel=2e-2)
@@ -301,7 +301,7 @@ def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
     graph; the tolerance gate passes with identical tokens."""
     from conftest import ROOT
     src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    unfold, fold = '"EARLY_TRIGGER": False, "FOLD": False,', '"EARLY_TRIGGER": False, "FOLD": True,'
+    unfold, fold = '"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}'
     off = '"o_gate_up": {"FUSED": False,'
     assert src.count(unfold) == 1 and src.count(off) == 1
     base = src.replace(unfold, fold)
