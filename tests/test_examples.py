@@ -56,7 +56,7 @@ def test_ladder_files_are_current():
     winner = (EXAMPLES / "llama_triton_decode_h200.py").read_text()
     assert '"EXACT_SOFTMAX": False, "FUSE_ROPE": True' in winner and '"PREFETCH_O": False' in winner
     assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True}' in winner and '"num_stages": 1, "PRELOAD_KV"' in winner
-    assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True,' in winner
+    assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True}' in winner
     assert '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1,' in winner
 
 
@@ -228,27 +228,13 @@ BF16_CASES = [
     # o_proj and gate_up in one kernel (a CUDA kernel): off the GPU their own kernels run, bitwise
     {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"o_gate_up": {"FUSED": True}}},
     {"rows": 1, "layers": [0, 2], "knobs": FOLD},
-    # the embedding row read by the first qkv (GATHER), each beside its twin with the row's own
-    # kernel: qkv split (the row's squares summed apart), its weights before the wait; unsplit
-    # with RoPE and PIPE, the first layer not layer 0; batch 2 keeps the embedding kernel
-    {"rows": 1, "layers": [0, 2], "knobs": {"norm": {"FOLD": True, "GATHER": True},
-                                            "qkv": {"SPLIT_K": 2, "BLOCK_K": 16, "PRE": 4}}},
-    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 2, "BLOCK_K": 16, "PRE": 4}}},
-    {"rows": 1, "layers": [1, 3], "knobs": {"norm": {"FOLD": True, "GATHER": True},
-                                            "qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "BLOCK_K": 32, "PRE": 2,
-                                                    "ROPE": True} | PIPE,
-                                            "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
-    {"rows": 1, "layers": [1, 3], "knobs": FOLD | {"qkv": {"SPLIT_K": 1, "BLOCK_N": 8, "BLOCK_K": 32, "PRE": 2,
-                                                           "ROPE": True} | PIPE,
-                                                   "attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
-    {"rows": 2, "layers": [1], "knobs": {"norm": {"FOLD": True, "GATHER": True}}},
 ]
 # BF16_CASES indices (a knob on, the same case without it): bitwise the same logits and caches
 TWINS = [(32, 33, ("qkv", "ROPE")), (34, 35, ("qkv", "ROPE")), (36, 37, ("qkv", "ROPE")), (39, 40, ("qkv", "SMEM")),
-         (41, 42, ("o_gate_up", "FUSED")), (43, 44, ("norm", "GATHER")), (45, 46, ("norm", "GATHER"))]
+         (41, 42, ("o_gate_up", "FUSED"))]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
-                                       27, 28, 30, 34, 35, 38, 43, 44)]
-FP32_TWINS = [(24, 25, ("qkv", "ROPE")), (27, 28, ("norm", "GATHER"))]
+                                       27, 28, 30, 34, 35, 38)]
+FP32_TWINS = [(24, 25, ("qkv", "ROPE"))]
 
 
 SCRIPT_HELPERS = r'''
@@ -627,8 +613,7 @@ for rows in (1, 2):
             kinds.append(fn.__name__)
     # the residual buffers each GEMV reads (x), adds into (out) and zeroes (z)
     bufs = [{"x": a[0].data_ptr(), "out": a[2].data_ptr(), "z": kw["z_ptr"].data_ptr() if kw["Z_BLOCK"] else None,
-             "z_block": kw["Z_BLOCK"], "gather": kw["GATHER"],
-             "emb": a[0].data_ptr() == state.weights["model.embed_tokens.weight"].data_ptr(), "down": a[1].shape[0] == 2 * cfg.intermediate_size and kw["DOWN"]
+             "z_block": kw["Z_BLOCK"], "down": a[1].shape[0] == 2 * cfg.intermediate_size and kw["DOWN"]
              and kw["wd_ptr"].data_ptr() in {state.weights[f"model.layers.{i}.mlp.down_proj.weight"].data_ptr()
                                              for i in range(cfg.num_layers)}}
             for fn, grid, a, kw in launches if fn.__name__ == "_gemv_kernel"]
@@ -676,31 +661,6 @@ def test_fused_mlp_alternates_the_residual_buffers():
         cur = m["out"]
     assert len({m["out"] for m in mlp}) == 2 and lm["x"] == cur
     assert two["kinds"].count("norm") == 9 and "gemv_mlp" not in two["kinds"], two["kinds"]
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_gathered_embedding_row_needs_no_kernel_of_its_own():
-    """KNOBS["norm"]["GATHER"] with FOLD: a batch-1 step launches no gather kernel; the first qkv
-    reads the embedding matrix and writes the row into the residual buffer (z) that o then adds
-    into and every later GEMV reads; no other GEMV gathers. With the fused MLP (whose qkv zeroes
-    the other buffer) and for a batch of 2 the gather kernel stays."""
-    one, two = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"),
-                                                 json.dumps({"norm": {"FOLD": True, "GATHER": True}})],
-                          interpret=False)
-    layer = ["gemv_fold", "_rope_kv_kernel", "_attn_kernel", "_attn_kernel", "_attn_combine_kernel", "gemv_atomic",
-             "gemv_fold", "gemv_atomic"]
-    assert one["kinds"] == layer * 4 + ["gemv_fold"], one["kinds"]
-    first, rest = one["gemvs"][0], one["gemvs"][1:]
-    assert first["gather"] and first["emb"] and first["z_block"] >= 128
-    assert not any(g["gather"] or g["emb"] or g["z"] for g in rest)
-    residual = {g["out"] for g in rest[0::2]} | {g["x"] for g in rest[1::2]}
-    assert residual == {first["z"]}, (residual, first)  # o and down add into it; gate_up, qkv, lm_head read it
-    assert two["kinds"].count("gather") == 0 and two["kinds"][0] == "norm"
-    assert not any(g["gather"] for g in two["gemvs"])
-    fused, _ = run_script(FOLD_LAUNCHES_SCRIPT, [str(EXAMPLES / "llama_triton_decode.py"),
-                                                 json.dumps({"norm": {"FOLD": True, "GATHER": True},
-                                                             "mlp": {"FUSED": True}})], interpret=False)
-    assert fused["kinds"][0] == "gather" and not any(g["gather"] for g in fused["gemvs"])
 
 
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------

@@ -225,11 +225,8 @@ KNOBS = {
     # FOLD (batch 1, FMA GEMVs): no norm kernels. The residual stream stays in float32, o and
     # down add into it atomically, and qkv, gate_up and lm_head fold the norm before them into
     # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
-    # not rounded where the reference rounds (the tolerance gate's concern). GATHER (with FOLD,
-    # not with the fused MLP): no kernel for the embedding row either: the first layer's qkv
-    # reads the token's embedding row as its x, and its program 0 writes that row into the
-    # residual stream (float32, as the embedding kernel did), the same values in one kernel less
-    "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False, "GATHER": False},
+    # not rounded where the reference rounds (the tolerance gate's concern)
+    "norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},
     # FUSED (with FOLD): gate_up and down in one kernel. Each program makes gate_up's BLOCK_N
     # rows of silu(gate) * up (gate_up's KNOBS), then multiplies them by the same columns of
     # down and adds that [D] partial into the next residual buffer atomically (its program 0
@@ -511,7 +508,7 @@ if HAVE_TRITON:
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
                      L2_CH: tl.constexpr, wd_ptr, stride_dj, stride_dn, DOWN: tl.constexpr,
-                     DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr, tok_ptr, GATHER: tl.constexpr,
+                     DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr,
                      ROPE: tl.constexpr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                      stride_cos, s_slot, s_head, s_seq, RH: tl.constexpr, RKV: tl.constexpr, RHD: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
@@ -549,9 +546,6 @@ if HAVE_TRITON:
         [BLOCK_N, BLOCK_K] down tile is loaded before the wait.
         Z_BLOCK > 0: program 0 zeroes z_ptr[:K] after the wait (the buffer a later fused MLP adds
         into; Z_BLOCK a power of two >= K).
-        GATHER (B == 1, FOLD; KNOBS["norm"]["GATHER"]): x is the embedding matrix and the row
-        read is tok_ptr[0]'s (stride_xb apart), not row 0; program 0 writes that row, in float32,
-        to z_ptr[:K] (the residual stream) after the wait (Z_BLOCK a power of two >= K).
         ROPE (B == 1, SPLIT_K == 1, the FMA path; w the qkv weight of RH q heads, then RKV k and
         RKV v heads of RHD dims, BLOCK_N even and dividing RHD): program n's rows are dims
         j*BLOCK_N/2 + i and the same + RHD/2 (i < BLOCK_N/2) of head n // (RHD / BLOCK_N), so each
@@ -577,12 +571,7 @@ if HAVE_TRITON:
         b_mask = offs_b < B
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
         wu_rows = w_rows + N_UP * stride_wn
-        if GATHER:  # the token's embedding row: a step input and a weight, no kernel writes them
-            x_row0 = tl.load(tok_ptr).to(tl.int64) * stride_xb
-            x_rows = x_ptr + x_row0 + offs_b.to(tl.int64)[:, None] * 0
-        else:
-            x_row0 = 0
-            x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
+        x_rows = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb
         k_lo = pid_k * K_SPLIT
         _pdl_enter(PDL)
         l2_pid = (pid_b * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
@@ -619,17 +608,13 @@ if HAVE_TRITON:
         _pdl_wait(PDL)
         if Z_BLOCK > 0:  # the next residual buffer: its last reader ended before this wait
             offs_z = tl.arange(0, Z_BLOCK)
-            zm = (offs_z < K) & (offs_z * 0 + l2_pid == 0)
-            if GATHER:  # the residual stream starts as the embedding row
-                tl.store(z_ptr + offs_z, tl.load(x_ptr + x_row0 + offs_z, mask=zm, other=0.0).to(tl.float32), mask=zm)
-            else:
-                tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=zm)
+            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=(offs_z < K) & (offs_z * 0 + l2_pid == 0))
         if L2_AT == 2:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
             if SS_ROW:  # the whole row, for its sum of squares (summed at the end)
                 offs_d = tl.arange(0, BLOCK_D)
-                xrow = tl.load(x_ptr + x_row0 + offs_d, mask=offs_d < K, other=0.0).to(tl.float32)
+                xrow = tl.load(x_ptr + offs_d, mask=offs_d < K, other=0.0)
             else:
                 ss = tl.zeros([1, BLOCK_K], dtype=tl.float32)
         if USE_DOT:
@@ -1506,7 +1491,7 @@ def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None, l2_next=None, down=None, zero=None, rope=None, gather=None):
+          w_gu=None, l2_next=None, down=None, zero=None, rope=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -1521,17 +1506,11 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     rope (batch 1, SPLIT_K 1; _decode's tuple: q [1, 1, H*hd], the cos / sin tables, positions,
     slots, the layer's K and V caches, H, KV, hd): w is qkv's weight; the kernel RoPEs q and
     k, writes q into q and this step's k and v into the caches, and q is returned.
-    gather (with norm, batch 1; KNOBS["norm"]["GATHER"]): (tokens, emb): the GEMV's x is the
-    embedding row of tokens[0], which the kernel also writes into x (the float32 residual).
     """
     kn = KNOBS[knob]
     B, K = x.shape
     N = w.shape[0] // 2 if silu else w.shape[0]
-    if gather is not None and (norm is None or zero is not None or B != 1 or x.dtype != torch.float32
-                               or gather[1].shape[1] != K):
-        raise ValueError("the embedding row gathered: one float32 residual row, a folded norm, nothing to zero")
-    if (kn.get("SMEM") and norm is not None and not silu and into is None and rope is None and zero is None
-            and gather is None):
+    if kn.get("SMEM") and norm is not None and not silu and into is None and rope is None and zero is None:
         limit = _smem_capable(x.device)
         if limit:
             return _gemv_smem(x, w, knob, out_dtype or x.dtype, pdl, norm, limit)
@@ -1564,9 +1543,6 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     pf_steps = min(int(kn.get("PF_STEPS", 0)), k_split // bk) if pdl else 0
     pre = _pow2_floor(min(int(kn.get("PRE", 0)), k_split // bk))
     wd = down if down is not None else w
-    if gather is not None:  # the kernel reads the embedding row and writes it into x
-        tok, emb = gather
-        x, zero = emb, x
     _gemv_kernel[grid](x, w, out, B, N, K, k_split, N if silu else 0,
                        x.stride(0), w.stride(0), *((0, out.stride(0)) if into is not None else out.stride()[:2]),
                        SILU=silu, USE_DOT=use_dot, IEEE=x.dtype == torch.float32, EVEN_K=even_k,
@@ -1582,7 +1558,6 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        wd_ptr=wd, stride_dj=wd.stride(1), stride_dn=wd.stride(0), DOWN=down is not None,
                        DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
                        z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(K) if zero is not None else 0,
-                       tok_ptr=tok if gather is not None else x, GATHER=gather is not None,
                        ROPE=rope is not None, q_ptr=q, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos, slot_ptr=slots,
                        kc_ptr=kc, vc_ptr=vc, stride_cos=cos.stride(0) if rope is not None else 0,
                        **(dict(zip(("s_slot", "s_head", "s_seq"), kc.stride()[:3])) if rope is not None
@@ -1848,17 +1823,16 @@ def _decode(state, batch):
 
     def normed_gemv(weight, norm_w, knob, silu=False, w_gu=None, l2_next=None, rope=None, **fold_kw):
         """_add_norm (the first: x = embed[tokens]), then the GEMV of h; FOLD: the GEMV of
-        rms_norm(x) itself (the first after the embedding row's own kernel, or with GATHER
-        reading that row itself; fold_kw: _gemv's down, into and zero). rope: _gemv's."""
+        rms_norm(x) itself (the first after the embedding row's own kernel; fold_kw: _gemv's
+        down, into and zero). rope: _gemv's."""
         nonlocal first
-        gather = (tokens, emb) if first and fold and not fused and KNOBS["norm"].get("GATHER", False) else None
-        if (first and gather is None) or not fold:
+        if first or not fold:
             _add_norm(x, h, branch, norm_w, eps, tokens if first else None, emb if first else None, pdl=pdl,
                       norm=not fold)
         first = False
         if fold:
             return _gemv(x, weight, knob, out_dtype=dtype, silu=silu, pdl=pdl, norm=(norm_w, eps), w_gu=w_gu,
-                         l2_next=l2_next, rope=rope, gather=gather, **fold_kw)
+                         l2_next=l2_next, rope=rope, **fold_kw)
         return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, rope=rope)
 
     def project(a, weight, knob, w_gu=None, l2_next=None):

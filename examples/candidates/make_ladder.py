@@ -63,8 +63,8 @@ WINNERS = {
           '             "EARLY_TRIGGER": True,'),
          ('"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
           '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,'),
-         ('"norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False, "GATHER": False},',
-          '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True, "GATHER": False},'),
+         ('"norm": {"num_warps": 16, "EARLY_TRIGGER": False, "FOLD": False},',
+          '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True},'),
          ('"l2": {"WEIGHTS_EVICT_FIRST": False, "KV_EVICT_LAST": False,',
           '"l2": {"WEIGHTS_EVICT_FIRST": True, "KV_EVICT_LAST": True,')],
         "The fastest forward pass measured on the H200 (Llama-3.2-1B bf16, batch 1, context 512):\n"
