@@ -368,3 +368,27 @@ def test_l2_copy_probe_checks_every_replay():
     for name, shape in res["shapes"].items():
         for mode in ("none", "copy", "sum", "warm"):
             assert shape[mode]["checked"] and shape[mode]["replay_us"] > 0, (name, mode, shape[mode])
+
+
+def test_greedy_sampler_with_pdl_and_advance_is_torch_argmax():
+    """engine_server.greedy on CUDA: the Triton passes launched with programmatic dependent
+    launch, and with the position's + 1 in their second kernel, give torch.argmax's indices
+    (ties, NaN, a short last slice), eagerly; and in captured steps after a PDL-launched GEMV
+    (benchmarks/greedy_bench.py --producer lm_head) every sampler picks the planted tie's first
+    index and advances the position once a step. The times are numbers (none asserted)."""
+    from test_greedy import _rows
+
+    from engine_server import greedy
+    assert greedy.pdl_capable(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    for V in (128256, 5000, 1100):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = _rows(V, dtype).cuda()
+            for pdl in (False, True) if greedy.pdl_capable(x.device) else (False,):
+                pos = torch.tensor([[7], [0], [3], [9], [1]], device="cuda")
+                got = greedy.argmax(x, impl="triton", pdl=pdl, advance=pos)
+                assert torch.equal(got, torch.argmax(x, -1, keepdim=True)), (V, dtype, pdl)
+                assert pos.view(-1).tolist() == [8, 1, 4, 10, 2], (V, dtype, pdl)
+    res = _bench("greedy_bench.py", "--producer", "lm_head", "--replays", "50", "--repeats", "2")
+    names = [r["sampler"] for r in res["results"]]
+    assert names == ["none", "torch.argmax", "triton, plain launches", "triton, PDL", "triton, PDL + advance"], names
+    assert all(r["equal"] and r["advances"] and r["us"] > 0 for r in res["results"]), res["results"]
