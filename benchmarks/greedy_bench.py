@@ -150,10 +150,11 @@ def main() -> int:
         if greedy.HAVE_TRITON:
             cases += [(f"triton CHUNK={c}", plain("triton"), ("triton", int(c))) for c in a.chunks.split(",")]
     else:
-        cases += [("triton, plain launches", plain("triton", pdl=False), None),
-                  ("triton, PDL", plain("triton", pdl=True), None),
-                  ("triton, PDL + advance", lambda: greedy.argmax(x, out=tok, impl="triton", pdl=True, advance=pos),
-                   None)]
+        cases += [("triton, plain launches", plain("triton", pdl=False), None)]
+        if pdl:  # the GPU has programmatic dependent launch
+            cases += [("triton, PDL", plain("triton", pdl=True), None),
+                      ("triton, PDL + advance",
+                       lambda: greedy.argmax(x, out=tok, impl="triton", pdl=True, advance=pos), None)]
     shipped = (greedy.CHUNK, greedy.TRITON_CHUNK)
     graphs, rows = [], []
     try:

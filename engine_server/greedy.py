@@ -114,15 +114,18 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, impl: str | No
     impl = impl or _default_impl(logits)
     if impl not in ("torch", "two_pass", "triton"):
         raise ValueError(f"unknown argmax impl {impl!r}: torch, two_pass or triton")
-    if advance is not None and (advance.dtype != torch.int64 or advance.numel() != B or advance.dim() not in (1, 2)):
-        raise ValueError(f"advance: int64 with one entry a row ([{B}] or [{B}, 1]), got {advance.dtype} "
-                         f"{tuple(advance.shape)}")
+    if advance is not None and (advance.dtype != torch.int64 or advance.numel() != B or advance.dim() not in (1, 2)
+                                or advance.device != logits.device):
+        raise ValueError(f"advance: int64 with one entry a row ([{B}] or [{B}, 1]) on the logits' device, got "
+                         f"{advance.dtype} {tuple(advance.shape)} on {advance.device}")
     chunk = TRITON_CHUNK if impl == "triton" else CHUNK
     if impl == "triton" and V >= 2 * chunk and logits.stride(-1) == 1:
         P = triton.cdiv(V, chunk)
         pv = torch.empty(B, P, device=logits.device, dtype=torch.float32)
         pi = torch.empty(B, P, device=logits.device, dtype=torch.int32)
         tok = out if out is not None else torch.empty(B, 1, device=logits.device, dtype=torch.int64)
+        if pdl and not pdl_capable(logits.device):
+            raise ValueError(f"pdl: {logits.device} has no programmatic dependent launch (CUDA, compute capability 9.0+)")
         pdl = pdl_capable(logits.device) if pdl is None else bool(pdl)
         launch = {"launch_pdl": True} if pdl else {}
         _argmax_part_kernel[(P, B)](logits, pv, pi, V, logits.stride(0), P, CHUNK=chunk, PDL=pdl, num_warps=4,

@@ -88,5 +88,12 @@ def test_advance_of_the_wrong_shape_or_dtype_is_refused_untouched(bad):
     assert torch.equal(bad, before)
 
 
+def test_advance_on_another_device_is_refused():
+    with pytest.raises(ValueError, match="on the logits' device"):
+        greedy.argmax(torch.zeros(5, 4096), advance=torch.zeros(5, dtype=torch.int64, device="meta"))
+
+
 def test_pdl_only_where_the_device_has_it():
     assert not greedy.pdl_capable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="no programmatic dependent launch"):
+        greedy.argmax(torch.zeros(1, 4096), impl="triton", pdl=True)
