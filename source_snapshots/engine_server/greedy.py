@@ -26,6 +26,7 @@ decode step.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -100,7 +101,13 @@ def pdl_capable(device: torch.device) -> bool:
     """Whether Triton kernels on `device` can launch with programmatic dependent launch: CUDA
     of compute capability 9.0 or newer (not Triton's interpreter)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and _cuda_major(torch.cuda.current_device() if device.index is None else device.index) >= 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    """The compute capability's major version of CUDA device `index` (asked once: argmax runs every step)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, impl: str | None = None,
@@ -124,9 +131,10 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, impl: str | No
         pv = torch.empty(B, P, device=logits.device, dtype=torch.float32)
         pi = torch.empty(B, P, device=logits.device, dtype=torch.int32)
         tok = out if out is not None else torch.empty(B, 1, device=logits.device, dtype=torch.int64)
-        if pdl and not pdl_capable(logits.device):
+        capable = pdl_capable(logits.device)
+        if pdl and not capable:
             raise ValueError(f"pdl: {logits.device} has no programmatic dependent launch (CUDA, compute capability 9.0+)")
-        pdl = pdl_capable(logits.device) if pdl is None else bool(pdl)
+        pdl = capable if pdl is None else bool(pdl)
         launch = {"launch_pdl": True} if pdl else {}
         _argmax_part_kernel[(P, B)](logits, pv, pi, V, logits.stride(0), P, CHUNK=chunk, PDL=pdl, num_warps=4,
                                     **launch)
