@@ -55,7 +55,7 @@ def test_ladder_files_are_current():
         assert (EXAMPLES / name).read_text() == mod.render(name), f"{name} is stale: run make_ladder.py"
     winner = (EXAMPLES / "llama_triton_decode_h200.py").read_text()
     assert '"EXACT_SOFTMAX": False, "FUSE_ROPE": True' in winner and '"PREFETCH_O": False' in winner
-    assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True}' in winner and '"num_stages": 1, "PRELOAD_KV"' in winner
+    assert '"combine": {"num_warps": 1, "EARLY_TRIGGER": True,' in winner and '"num_stages": 1, "PRELOAD_KV"' in winner
     assert '"norm": {"num_warps": 32, "EARLY_TRIGGER": True, "FOLD": True}' in winner
     assert '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1,' in winner
 
@@ -90,8 +90,11 @@ for slot, n in enumerate(LENS):
     ref.forward(base, prefill_batch(torch.randint(0, cfg.vocab_size, (1, n), generator=g), torch.tensor([slot])))
 pristine = {name: t.clone() for name, t in weights.items()}
 
-def step(fwd, rows, layers, prepare=None):
+def step(fwd, rows, layers, prepare=None, boost=None):
     st = State(cfg, weights, [t.clone() for t in k], [t.clone() for t in v], tables, layers)
+    if boost:  # key 3 of every slot scaled in the case's layers: scores far above the step's own key's
+        for i in layers:
+            st.k_cache[i][:, :, 3] *= boost
     if prepare is not None:  # as the engine does at install
         prepare(st)
     slots = torch.tensor([2, 0, 1][:rows])  # rows in another order than their slots
@@ -106,8 +109,8 @@ for case in cases:
     mod = load_module("interp_" + str(len(results)), source)
     apply_knobs(mod.KNOBS, case.get("knobs", {}))
     layers = tuple(case["layers"]) if case.get("layers") is not None else base.layers
-    r, rs, slots, lens = step(ref.forward, case["rows"], layers)
-    c, cs, _, _ = step(mod.forward, case["rows"], layers, getattr(mod, "prepare", None))
+    r, rs, slots, lens = step(ref.forward, case["rows"], layers, boost=case.get("boost"))
+    c, cs, _, _ = step(mod.forward, case["rows"], layers, getattr(mod, "prepare", None), boost=case.get("boost"))
     owned = torch.zeros(SLOTS, MAX_SEQ, dtype=torch.bool)
     owned[slots, lens] = True
     kv_owned, kv_outside, kv_ref = 0.0, 0.0, 0.0
@@ -137,6 +140,7 @@ PRE_KV = {"PRELOAD_KV": True}  # each split's first K/V block loaded before the 
 EARLY = {"EARLY_INPUTS": True}  # position, slot and RoPE rows loaded before the (PDL) wait
 PIPE = {"PIPE": True}  # a GEMV's K steps loaded one step ahead
 FOLD = {"norm": {"FOLD": True}}  # batch 1: the norms folded into the GEMVs, a float32 residual
+IN_O = {"IN_O": True}  # KNOBS["combine"]: the splits add into sums o_proj divides; no combine kernel
 BF16_CASES = [
     {"rows": 1},
     {"rows": 3},
@@ -228,13 +232,24 @@ BF16_CASES = [
     # o_proj and gate_up in one kernel (a CUDA kernel): off the GPU their own kernels run, bitwise
     {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"o_gate_up": {"FUSED": True}}},
     {"rows": 1, "layers": [0, 2], "knobs": FOLD},
+    # the attention splits' sums divided in o_proj (IN_O): RoPE fused into attention, o_proj's
+    # weights before the wait; RoPE in its own kernel, o_proj's K loop a step ahead on ragged
+    # splits; with a key scored far above the step's own (boost: the sums' weights overflow, and
+    # o_proj merges the splits' partials instead), beside the combine kernel on the same cache
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}, "combine": IN_O,
+                                                   "o": {"PRE": 4, "BLOCK_K": 16}}},
+    {"rows": 1, "layers": [1], "knobs": FOLD | {"attn": SPLITS | ONLINE | NOFUSE | EARLY, "combine": IN_O,
+                                                "o": {"PRE": 0, "BLOCK_K": 16, "SPLIT_K": 3} | PIPE}},
+    {"rows": 1, "layers": [0, 3], "boost": 1000.0,
+     "knobs": FOLD | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}, "combine": IN_O}},
+    {"rows": 1, "layers": [0, 3], "boost": 1000.0, "knobs": FOLD | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
 ]
 # BF16_CASES indices (a knob on, the same case without it): bitwise the same logits and caches
 TWINS = [(32, 33, ("qkv", "ROPE")), (34, 35, ("qkv", "ROPE")), (36, 37, ("qkv", "ROPE")), (39, 40, ("qkv", "SMEM")),
-         (41, 42, ("o_gate_up", "FUSED"))]
+         (41, 42, ("o_gate_up", "FUSED")), (45, 46, ("combine", "IN_O"))]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
-                                       27, 28, 30, 34, 35, 38)]
-FP32_TWINS = [(24, 25, ("qkv", "ROPE"))]
+                                       27, 28, 30, 34, 35, 38, 43, 44, 45, 46)]
+FP32_TWINS = [(24, 25, ("qkv", "ROPE")), (29, 30, ("combine", "IN_O"))]
 
 
 SCRIPT_HELPERS = r'''
@@ -374,7 +389,9 @@ CONFIGS = [{}, {"qkv": {"PF_STEPS": 2}, "pdl": {"PREFETCH_O": True}, "attn": {"F
            {"norm": {"FOLD": True}, "qkv": {"SMEM": "async", "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}},
            {"norm": {"FOLD": True}, "qkv": {"SMEM": "tma", "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4}},
            {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True}},
-           {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True, "STAGE_K": 64, "STAGES": 1, "EARLY": 0}}]
+           {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True, "STAGE_K": 64, "STAGES": 1, "EARLY": 0}},
+           {"norm": {"FOLD": True}, "attn": {"FUSE_ROPE": True, "EXACT_SOFTMAX": False}, "combine": {"IN_O": True},
+            "o": {"PRE": 4}}]
 knobs0 = json.loads(json.dumps(mod.KNOBS))
 for conf in CONFIGS:
     mod.KNOBS.clear()
@@ -408,11 +425,12 @@ for fn, grid, args, kw in launches:
                     load_before_wait=ptx.find("ld.global") < ptx.find("griddepcontrol.wait"),
                     norm=bool(consts.get("NORM", True)), fold=bool(consts.get("FOLD")),
                     down=bool(consts.get("DOWN")), zero=bool(consts.get("Z_BLOCK")), rope=bool(consts.get("ROPE")),
+                    sums=bool(consts.get("SUM")), xh=consts.get("XH", 0),
                     stores=ptx.count("st.global"), cp_async=ptx.count("cp.async.cg.shared.global"),
                     tma=ptx.count("cp.async.bulk.tensor"),
                     tma_before_wait=-1 < ptx.find("cp.async.bulk.tensor") < ptx.find("griddepcontrol.wait"),
                     cp_async_before_wait=-1 < ptx.find("cp.async.cg.shared.global") < ptx.find("griddepcontrol.wait"),
-                    atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN") or "NPROG" in consts), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
+                    atomic_wanted=bool(consts.get("ATOMIC") or consts.get("DOWN") or consts.get("SUM") or "NPROG" in consts), atomic=re.search(r"(?<![.\w])(?:red|atom)\.global", ptx) is not None,
                     trigger_before_wait=ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait"),
                     consts={k: v for k, v in consts.items() if isinstance(v, (int, bool))},
                     acquire=ptx.count("ld.acquire.gpu"), release=len(re.findall(r"(?:red|atom)\.global\.gpu\.release", ptx)),
@@ -463,12 +481,19 @@ def test_pdl_kernels_compile_for_sm90():
     # before, o another one); the ROPE config adds a qkv, a gate_up and a down; o_gate_up's
     # config a qkv (and its kernel, below)
     assert any(not r["norm"] for r in res) and sum(r["fold"] and not (r["down"] or r["zero"]) for r in res) == 6
-    # the fold configs' o and down launches, the two fused MLPs (and o_gate_up's barrier, below)
-    assert sum(r["atomic"] for r in res if r["kernel"] != "_o_gate_up_kernel") == 6
+    # the fold configs' o and down launches, the two fused MLPs, IN_O's attention and o_proj
+    # (and o_gate_up's barrier, below)
+    assert sum(r["atomic"] for r in res if r["kernel"] != "_o_gate_up_kernel") == 8
     fused = [r for r in res if r["down"]]  # down in its own layout (its first tile before the wait) and transposed
     assert len(fused) == 2 and all(r["fold"] and r["atomic"] for r in fused), fused
     assert sorted(r["load_before_wait"] for r in fused) == [False, True], fused
-    assert [r["fold"] for r in res if r["zero"]] == [True]
+    assert [r["fold"] for r in res if r["zero"]] == [True, True]  # the fused MLP's residual, IN_O's sums
+    # IN_O (the last config): the attention kernel adds into the heads' sums, o_proj's GEMV
+    # divides them as it loads (its weights loaded before the wait) and adds into the residual
+    sums = [r for r in res if r["sums"]]
+    assert len(sums) == 1 and sums[0]["kernel"] == "_attn_kernel" and sums[0]["atomic"], sums
+    div = [r for r in res if r["xh"]]
+    assert len(div) == 1 and div[0]["atomic"] and div[0]["load_before_wait"] and div[0]["consts"]["PRE_K"], div
     # qkv's SMEM (the last two configs, batch 1): the Gluon kernel copies its 32 rows of qkv's
     # weight (the shrunk preset's 128 bf16 columns each) into shared memory before its wait:
     # "async" 16 bytes a thread a copy on 4 warps, "tma" one bulk tensor copy a 64-column box

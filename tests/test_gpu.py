@@ -393,3 +393,38 @@ def test_greedy_sampler_with_pdl_and_advance_is_torch_argmax():
     pdl = ["triton, PDL", "triton, PDL + advance"] if greedy.pdl_capable(torch.device("cuda")) else []
     assert names == ["none", "torch.argmax", "triton, plain launches"] + pdl, names
     assert all(r["equal"] and r["advances"] and r["us"] > 0 for r in res["results"]), res["results"]
+
+
+def test_attention_sums_divided_in_o_keep_the_step(cuda_engine):
+    """The H200 winner with KNOBS["combine"]["IN_O"] (the attention splits add into the heads'
+    sums, o_proj divides them as it loads: no combine kernel): the logits are those of the
+    combine kernel's within the folded pass's last-bit flips, eager and from the graph, and no
+    combine kernel runs; with one cached key scaled so its scores overflow the sums' weights,
+    o_proj merges the splits' partials and the logits still are the combine kernel's."""
+    from conftest import ROOT
+    from engine_server.state import decode_batch
+    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    assert base.count('"IN_O": False}') == 1
+    on = base.replace('"IN_O": False}', '"IN_O": True}')
+    off_id, on_id = _same_logits(cuda_engine, {"combine-kernel": base, "sums-in-o": on}, rel=2e-2)
+    b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
+                     torch.tensor([0], device="cuda"))
+    outs = []
+    for cid, launches in ((off_id, None), (on_id, 0)):
+        c = cuda_engine.candidates[cid]
+        st = cuda_engine.candidate_state(c)
+        inner = c.module._attn_combine_kernel
+        c.module._attn_combine_kernel = count = _Launches(inner)
+        saved = [kc[0, :, 3].clone() for kc in st.k_cache]
+        try:
+            c.forward(st, b)
+            assert count.n == (len(st.layers) if launches is None else launches), (cid, count.n)
+            for kc in st.k_cache:  # key 3 of slot 0, every kv head, a thousand times larger
+                kc[0, :, 3] *= 1000
+            outs.append(c.forward(st, b).float().clone())
+        finally:
+            c.module._attn_combine_kernel = inner
+            for kc, s in zip(st.k_cache, saved):
+                kc[0, :, 3] = s
+    assert torch.isfinite(outs[1]).all()
+    assert torch.allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2 * outs[0].abs().max().item())

@@ -225,7 +225,14 @@ KNOBS = {
     # (as KNOBS["pdl"]["EARLY_TRIGGER"] does for all), so its loads before the wait (PRE) start
     # a kernel earlier; the next kernel still waits for this one's results. The GEMV groups
     # (qkv, o, gate_up, down, lm_head) and "attn" take the same key (off where absent)
-    "combine": {"num_warps": 2, "EARLY_TRIGGER": False},
+    # IN_O (with FOLD; online softmax, NSPLIT > 1, no CLUSTER): no combine kernel. Each split
+    # also adds its partial, weighted by exp(m_s - M) for a reference M that every split of a
+    # head computes alike (the larger of the scores of this step's key and of key 0), into one
+    # float32 sum per head and its denominator (atomics; qkv zeroes them); o_proj divides as it
+    # loads its x. Where a head's denominator leaves (0, 1e30) (a score above M by more than
+    # about 60: the weights would overflow) o_proj merges the splits' stored partials instead
+    "combine": {"num_warps": 2, "EARLY_TRIGGER": False,
+                "IN_O": False},
     # FOLD (batch 1, FMA GEMVs): no norm kernels. The residual stream stays in float32, o and
     # down add into it atomically, and qkv, gate_up and lm_head fold the norm before them into
     # their K loop (x * g, the squares summed, the output scaled by the row's rsqrt at the end);
@@ -502,6 +509,33 @@ if HAVE_TRITON:
         return xf * gt.to(tl.float32)[None, :], xf * xf
 
     @triton.jit
+    def _attn_x(xt, cols, K, den_ptr, po_ptr, pm_ptr, pl_ptr, like_ptr, HD: tl.constexpr, NS: tl.constexpr):
+        """KNOBS["combine"]["IN_O"], row 0: o_proj's x tile [1, n] at columns `cols` from the
+        attention splits' weighted sums there (xt, float32), each divided by its head's
+        denominator (den_ptr [H]) and rounded to like_ptr's dtype, as the combine kernel stores
+        o. Where a head's denominator leaves (0, 1e30) or a quotient is not finite (a score far
+        above the heads' reference), the tile is merged from the splits' partials instead (po
+        [H, NS, HD], pm / pl [H, NS], float32), as _attn_combine_kernel merges them."""
+        c = tl.minimum(cols, K - 1)
+        h = c // HD
+        dn = tl.load(den_ptr + h)
+        x = xt.to(tl.float32) / dn
+        ok = (dn > 0.0) & (dn < 1e30) & (tl.abs(x) < 3.0e38)
+        if tl.min(ok.to(tl.int32)) == 0:
+            row = h * NS
+            mx = tl.load(pm_ptr + row)
+            for s in range(1, NS):
+                mx = tl.maximum(mx, tl.load(pm_ptr + row + s))
+            num = tl.zeros_like(x)
+            den = tl.zeros_like(x)
+            for s in range(0, NS):
+                wgt = tl.exp(tl.load(pm_ptr + row + s) - mx)
+                num += tl.load(po_ptr + (row + s) * HD + c % HD) * wgt
+                den += tl.load(pl_ptr + row + s) * wgt
+            x = num / den
+        return _round(x, like_ptr)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
                      stride_xb, stride_wn, stride_os, stride_ob,
                      SILU: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -514,7 +548,8 @@ if HAVE_TRITON:
                      L2_CH: tl.constexpr, wd_ptr, stride_dj, stride_dn, DOWN: tl.constexpr,
                      DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr,
                      ROPE: tl.constexpr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                     stride_cos, s_slot, s_head, s_seq, RH: tl.constexpr, RKV: tl.constexpr, RHD: tl.constexpr):
+                     stride_cos, s_slot, s_head, s_seq, RH: tl.constexpr, RKV: tl.constexpr, RHD: tl.constexpr,
+                     z_n, den_ptr, po_ptr, pm_ptr, pl_ptr, XH: tl.constexpr, XNS: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -548,8 +583,11 @@ if HAVE_TRITON:
         wd_ptr + j * stride_dj + n * stride_dn, n < K) and added into out[n] atomically, program
         0 adding x[n] too (out: the next float32 residual, zeros before). DOWN_PRE: the first
         [BLOCK_N, BLOCK_K] down tile is loaded before the wait.
-        Z_BLOCK > 0: program 0 zeroes z_ptr[:K] after the wait (the buffer a later fused MLP adds
-        into; Z_BLOCK a power of two >= K).
+        Z_BLOCK > 0: program 0 zeroes z_ptr[:z_n] after the wait (a buffer a later kernel adds
+        into: the fused MLP's residual, IN_O's attention sums; Z_BLOCK a power of two >= z_n).
+        XH > 0 (B == 1, the FMA path; KNOBS["combine"]["IN_O"]): x is the attention splits' sums
+        [H * XH] (float32), each x tile divided by its heads' denominators after its load
+        (_attn_x: den_ptr, and the XNS splits' partials po_ptr, pm_ptr, pl_ptr to fall back on).
         ROPE (B == 1, SPLIT_K == 1, the FMA path; w the qkv weight of RH q heads, then RKV k and
         RKV v heads of RHD dims, BLOCK_N even and dividing RHD): program n's rows are dims
         j*BLOCK_N/2 + i and the same + RHD/2 (i < BLOCK_N/2) of head n // (RHD / BLOCK_N), so each
@@ -612,7 +650,7 @@ if HAVE_TRITON:
         _pdl_wait(PDL)
         if Z_BLOCK > 0:  # the next residual buffer: its last reader ended before this wait
             offs_z = tl.arange(0, Z_BLOCK)
-            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=(offs_z < K) & (offs_z * 0 + l2_pid == 0))
+            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=(offs_z < z_n) & (offs_z * 0 + l2_pid == 0))
         if L2_AT == 2:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
@@ -636,6 +674,8 @@ if HAVE_TRITON:
             else:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
             xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
+            if XH > 0:
+                xp = _attn_x(xp, offs_p[None, :], K, den_ptr, po_ptr, pm_ptr, pl_ptr, w_ptr, XH, XNS)
             if FOLD:
                 xp, ssp = _folded(xp, g_ptr, offs_p, K, EVEN_K)
                 if not SS_ROW:
@@ -659,6 +699,9 @@ if HAVE_TRITON:
                 xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             else:
                 xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
+            if XH > 0:
+                xt = _attn_x(xt, (k0 + tl.arange(0, BLOCK_K))[None, :], K, den_ptr, po_ptr, pm_ptr, pl_ptr, w_ptr,
+                             XH, XNS)
             if FOLD:
                 xt, sst = _folded(xt, g_ptr, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
                 if not SS_ROW:
@@ -880,7 +923,8 @@ if HAVE_TRITON:
                      PDL: tl.constexpr, PF_LINE: tl.constexpr, PF_CHUNK: tl.constexpr,
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
                      EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
-                     l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr):
+                     l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr,
+                     sum_ptr, den_ptr, SUM: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -909,6 +953,12 @@ if HAVE_TRITON:
         KV_EV: the K/V loads' L2 eviction policy ("" default, or "evict_last").
         L2_AT 1 (at entry) or 2 (after the wait): the programs share out a bulk L2 prefetch of
         l2_bytes at l2_ptr + r * l2_stride for r < l2_rows (a later kernel's weight rows).
+        SUM (PHASE 0, NSPLIT > 1; KNOBS["combine"]["IN_O"]): the split also adds acc * f into
+        sum_ptr [B, H, HD] and l * f into den_ptr [B, H] (float32, zeros before; atomics),
+        f = exp(m - M) for each head's M = the larger of the scores of this step's key and of
+        key 0 (this step's key alone at position 0), the same in every split of the head, so
+        sum / den is the head's attention output whatever the splits' order. Every split's
+        score of this step's key is within a rounding of M's term, so den is about 1 or more.
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -1011,6 +1061,21 @@ if HAVE_TRITON:
                 tl.store(po_ptr + row[:, None] * HD + d[None, :], acc, mask=gm[:, None])
                 tl.store(pm_ptr + row, m_i, mask=gm)
                 tl.store(pl_ptr + row, l_i, mask=gm)
+                if SUM:  # into the head's sum and denominator, on the heads' common M
+                    if FUSE_ROPE and WRITE_KV:  # this step's key, rounded as the cache holds it
+                        k_now = _round(tl.sum(tl.where(one[:, None], k, 0.0), axis=0), kc_ptr)
+                    else:
+                        k_now = tl.load(k_base + pos.to(tl.int64) * s_seq + d).to(tl.float32)
+                    qf = q.to(tl.float32)
+                    s_now = tl.sum(qf * k_now[None, :], axis=1) * scale
+                    s_first = tl.sum(qf * tl.load(k_base + d).to(tl.float32)[None, :], axis=1) * scale
+                    at = pos + 0 * g  # full-shape compares: the interpreter rejects scalar masks
+                    ref = tl.where(at > 0, tl.maximum(s_now, s_first), s_now)
+                    f = tl.where(gm, tl.exp(m_i - ref), 0.0)  # a split without keys: m = -inf, 0
+                    hrow = b * H + heads
+                    tl.atomic_add(sum_ptr + hrow[:, None] * HD + d[None, :], acc * f[:, None], mask=gm[:, None],
+                                  sem="relaxed")
+                    tl.atomic_add(den_ptr + hrow, l_i * f, mask=gm, sem="relaxed")
         else:
             if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
                 if PRELOAD_KV:
@@ -1495,7 +1560,7 @@ def _l2_whole(pdl: int, nxt, num_warps: int, at: int = 3) -> dict:
 
 
 def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False, norm=None, into=None,
-          w_gu=None, l2_next=None, down=None, zero=None, rope=None):
+          w_gu=None, l2_next=None, down=None, zero=None, rope=None, heads=None):
     """x [B, K] @ w[:N]^T (w: [N, K] or, with silu, [2N, K] = [gate; up]).
 
     Returns float32 partials [SPLIT_K, B, N] (summed by the consumer), or with SPLIT_K == 1
@@ -1506,7 +1571,10 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     _l2_prefetch; l2_next: a later GEMV's weight that the programs pull into L2 as they finish
     (_l2_whole; in place of _l2_prefetch's). down (with silu, norm and into; KNOBS["mlp"]
     ["FUSED"]): the down weight [K, N]: into (zeros) gets x + down(silu(gate) * up) added, the
-    MLP in one kernel. zero (float32 [K]): zeroed by the kernel after its wait.
+    MLP in one kernel. zero (a float32 tensor): zeroed by the kernel after its wait.
+    heads (batch 1, the FMA path; KNOBS["combine"]["IN_O"]; _attention's tuple: the heads'
+    denominators, the splits' partials po / pm / pl, the head dim and the split count): x is
+    the attention splits' float32 sums, divided by their heads' denominators as it is loaded.
     rope (batch 1, SPLIT_K 1; _decode's tuple: q [1, 1, H*hd], the cos / sin tables, positions,
     slots, the layer's K and V caches, H, KV, hd): w is qkv's weight; the kernel RoPEs q and
     k, writes q into q and this step's k and v into the caches, and q is returned.
@@ -1531,8 +1599,15 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
         raise ValueError("a folded norm or an atomic add: one row, on the FMA path")
     if down is not None and (not silu or norm is None or into is None or tuple(down.shape) != (K, N)):
         raise ValueError("the fused MLP: silu, a folded norm, an output to add into and a [K, N] down weight")
-    if zero is not None and (zero.numel() != K or zero.dtype != torch.float32):
-        raise ValueError("the buffer to zero: float32 of K elements")
+    if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
+        raise ValueError("the buffer to zero: contiguous float32")
+    if heads is not None:
+        den, po, pm, pl, xh, xns = heads
+        if use_dot or B != 1 or x.dtype != torch.float32 or K % xh or den.numel() != K // xh:
+            raise ValueError("the attention's sums as x: one row, on the FMA path, float32, [H * hd] for H heads")
+    else:
+        den = po = pm = pl = w
+        xh = xns = 0
     if rope is not None:
         q, cos, sin, pos, slots, kc, vc, H, KV, hd = rope
         if use_dot or B != 1 or split != 1 or silu or into is not None or N != (H + 2 * KV) * hd or bn % 2 or hd % bn:
@@ -1561,7 +1636,9 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
                        wd_ptr=wd, stride_dj=wd.stride(1), stride_dn=wd.stride(0), DOWN=down is not None,
                        DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
-                       z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(K) if zero is not None else 0,
+                       z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(zero.numel()) if zero is not None else 0,
+                       z_n=zero.numel() if zero is not None else 0,
+                       den_ptr=den, po_ptr=po, pm_ptr=pm, pl_ptr=pl, XH=xh, XNS=xns,
                        ROPE=rope is not None, q_ptr=q, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos, slot_ptr=slots,
                        kc_ptr=kc, vc_ptr=vc, stride_cos=cos.stride(0) if rope is not None else 0,
                        **(dict(zip(("s_slot", "s_head", "s_seq"), kc.stride()[:3])) if rope is not None
@@ -1717,9 +1794,12 @@ def _cluster_layouts(G: int, hd: int, nc: int, nw: int):
 
 
 def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_gu=None, l2_next=None,
-               roped=False):
-    """qkv partials [NP, B, (H+2KV)*hd] -> attention output [B, H*hd] in the model dtype,
-    after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. roped (the
+               roped=False, sums=None):
+    """qkv partials [NP, B, (H+2KV)*hd] -> (attention output [B, H*hd] in the model dtype,
+    None), after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. sums
+    (KNOBS["combine"]["IN_O"], as _decode decides: batch 1, online softmax, NSPLIT > 1, no
+    CLUSTER; float32 [H*hd + H], zeroed by qkv's kernel): the splits add into it and no combine
+    kernel runs; returns (its [1, H*hd] sums, the `heads` tuple for o_proj's _gemv). roped (the
     attention stage on): qkv is q [1, B, H*hd], RoPE'd, and this step's K/V are written (qkv's
     ROPE): the attention kernels only read. With PDL and
     KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
@@ -1735,7 +1815,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         sin = state.tables["rope_sin_rot"][batch.positions].unsqueeze(2)
         qk = apply_rope(flat[:, :, :H + KV], cos, sin)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
-        return ref_attention(state, layer, q, k, flat[:, :, H + KV:].transpose(1, 2), batch).view(B, H * hd)
+        return ref_attention(state, layer, q, k, flat[:, :, H + KV:].transpose(1, 2), batch).view(B, H * hd), None
     kc, vc = state.k_cache[layer], state.v_cache[layer]
     cos, sin = state.tables["rope_cos"], state.tables["rope_sin_rot"]
     ka = KNOBS["attn"]
@@ -1761,7 +1841,9 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         pl = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
     else:
         po = pm = pl = o
-    if nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
+    if sums is not None and (B != 1 or exact or nsplit == 1 or sums.numel() != H * hd + H):
+        raise ValueError("the attention's sums (IN_O): one row, online softmax, NSPLIT > 1, [H * hd + H] floats")
+    if sums is None and nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
         nw = int(ka["num_warps"])
         l3, lq, lc = _cluster_layouts(G, hd, nsplit, nw)
         _attn_cluster_kernel[(KV,)](qkv, kc, vc, pos, slots, cos, sin, o, po, pm, pl, hd ** -0.5, NP, qkv.stride(0),
@@ -1770,7 +1852,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                     PDL=_early(pdl, "attn"),
                                     KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                     num_warps=nw, num_ctas=nsplit, **_launch(pdl))
-        return o
+        return o, None
     args = (q, kc, vc, pos, slots, o, po, pm, pl, hd ** -0.5, pos.stride(0), slots.stride(0),
             kc.stride(0), kc.stride(1), kc.stride(2))
     rope = (qkv, cos, sin, NP, qkv.stride(0), qkv.stride(1), cos.stride(0))
@@ -1793,13 +1875,17 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       EARLY_INPUTS=bool(ka.get("EARLY_INPUTS", False)),
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
+                                      sum_ptr=sums if sums is not None else o,
+                                      den_ptr=sums[H * hd:] if sums is not None else o, SUM=sums is not None,
                                       **meta)
+    if sums is not None:
+        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, hd, nsplit)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
                                        num_warps=KNOBS["combine"]["num_warps"],
                                        **_launch(pdl))
-    return o
+    return o, None
 
 
 def _decode(state, batch):
@@ -1839,10 +1925,11 @@ def _decode(state, batch):
                          l2_next=l2_next, rope=rope, **fold_kw)
         return _linear(h, weight, knob, silu=silu, pdl=pdl, w_gu=w_gu, l2_next=l2_next, rope=rope)
 
-    def project(a, weight, knob, w_gu=None, l2_next=None):
-        """The branch for the next norm to add (FOLD: added into x now, none left)."""
+    def project(a, weight, knob, w_gu=None, l2_next=None, heads=None):
+        """The branch for the next norm to add (FOLD: added into x now, none left). heads:
+        _gemv's (a: the attention's sums; FOLD only)."""
         if fold:
-            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu, l2_next=l2_next)
+            _gemv(a, weight, knob, pdl=pdl, into=x, w_gu=w_gu, l2_next=l2_next, heads=heads)
             return None
         return _linear(a, weight, knob, pdl=pdl, w_gu=w_gu, l2_next=l2_next)
 
@@ -1856,24 +1943,31 @@ def _decode(state, batch):
     # barrier counter a layer
     ogu = not fused and _o_gate_up_ready(dev, fold)
     bars = torch.zeros(len(layers), device=dev, dtype=torch.int32) if ogu else None
+    # KNOBS["combine"]["IN_O"] (with FOLD, neither MLP nor o_proj fused): the attention splits
+    # add into one float32 buffer of the heads' sums and denominators (zeroed by each layer's
+    # qkv) and o_proj divides as it loads: no combine kernel
+    ka = KNOBS["attn"]
+    in_o = (fold and not fused and not ogu and bool(KNOBS["combine"].get("IN_O", False)) and _stage("attention")
+            and not ka["EXACT_SOFTMAX"] and int(ka["NSPLIT"]) > 1 and not ka.get("CLUSTER", False))
+    sums = torch.empty(H * hd + H, device=dev, dtype=torch.float32) if in_o else None
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
         rope = ((torch.empty(1, B, H * hd, device=dev, dtype=dtype), t["rope_cos"], t["rope_sin_rot"], pos, slots,
                  state.k_cache[layer], state.v_cache[layer], H, KV, hd) if roped else None)
         qkv = normed_gemv(t[p + "self_attn.qkv_proj.weight"], w[p + "input_layernorm.weight"], "qkv", w_gu=w_gu,
-                          rope=rope, **({"zero": x_next.view(-1)} if fused else {}))
+                          rope=rope, **({"zero": x_next.view(-1)} if fused else {"zero": sums} if in_o else {}))
         wo = w[p + "self_attn.o_proj.weight"]
         nq = (t[f"model.layers.{layers[i + 1]}.self_attn.qkv_proj.weight"]
               if l2.get("QKV_NEXT") and i + 1 < len(layers) and _stage("gemv") else None)
-        o = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
-                       w_gu=w_gu if _stage("gemv") else None, l2_next=nq, roped=roped)
+        o, heads = _attention(state, layer, qkv, batch, pos, slots, pdl=pdl, w_next=wo if _stage("gemv") else None,
+                              w_gu=w_gu if _stage("gemv") else None, l2_next=nq, roped=roped, sums=sums)
         w_down = w[p + "mlp.down_proj.weight"]
         if ogu:  # o_proj and gate_up in one kernel (x += o's product inside it)
             act = _o_gate_up(o, wo, x, w_gu, (w[p + "post_attention_layernorm.weight"], eps), pdl, bars[i:])
             branch = project(act, w_down, "down")
             continue
-        branch = project(o, wo, "o", w_gu=w_gu)
+        branch = project(o, wo, "o", w_gu=w_gu, heads=heads)
         if fused:  # x_next = x + mlp(x), one kernel
             if KNOBS["mlp"]["DOWN_T"]:  # the same [hidden, intermediate] matrix, rows of prepare's copy
                 w_down = state.scratch[f"down_t.{layer}"].t()

@@ -53,7 +53,7 @@ WINNERS = {
          ('"o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,',
           '"o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,\n'
           '          "EARLY_TRIGGER": True,'),
-         ('"combine": {"num_warps": 2, "EARLY_TRIGGER": False},', '"combine": {"num_warps": 1, "EARLY_TRIGGER": True},'),
+         ('"combine": {"num_warps": 2, "EARLY_TRIGGER": False,', '"combine": {"num_warps": 1, "EARLY_TRIGGER": True,'),
          ('"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,\n'
           '            "PIPE": False, "ROPE": False, "SMEM": False},',
           '"qkv": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,\n'
