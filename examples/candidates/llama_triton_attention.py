@@ -230,8 +230,8 @@ KNOBS = {
     # also adds its partial, weighted by exp(m_s - M) for a reference M that every split of a
     # head computes alike (the larger of the scores of this step's key and of key 0), into one
     # float32 sum per head and its denominator (atomics; qkv zeroes them); o_proj divides as it
-    # loads its x. Where a head's denominator leaves (0, 1e30) (a score above M by more than
-    # about 60: the weights would overflow) o_proj merges the splits' stored partials instead
+    # loads its x. Where a split's max is above M by more than 60 (its weight would near float32's
+    # range; it sets a flag) o_proj merges the splits' stored partials instead
     "combine": {"num_warps": 2, "EARLY_TRIGGER": False,
                 "IN_O": False},
     # FOLD (batch 1, FMA GEMVs): no norm kernels. The residual stream stays in float32, o and
@@ -514,15 +514,13 @@ if HAVE_TRITON:
         """KNOBS["combine"]["IN_O"], row 0: o_proj's x tile [1, n] at columns `cols` from the
         attention splits' weighted sums there (xt, float32), each divided by its head's
         denominator (den_ptr [H]) and rounded to like_ptr's dtype, as the combine kernel stores
-        o. Where a head's denominator leaves (0, 1e30) or a quotient is not finite (a score far
-        above the heads' reference), the tile is merged from the splits' partials instead (po
+        o. Where a split flagged a weight past exp(60) (den_ptr[K // HD] set: a score far above
+        its head's reference), the tile is merged from the splits' partials instead (po
         [H, NS, HD], pm / pl [H, NS], float32), as _attn_combine_kernel merges them."""
         c = tl.minimum(cols, K - 1)
         h = c // HD
-        dn = tl.load(den_ptr + h)
-        x = xt.to(tl.float32) / dn
-        ok = (dn > 0.0) & (dn < 1e30) & (tl.abs(x) < 3.0e38)
-        if tl.min(ok.to(tl.int32)) == 0:
+        x = xt.to(tl.float32) / tl.load(den_ptr + h)
+        if tl.load(den_ptr + K // HD) != 0.0:
             row = h * NS
             mx = tl.load(pm_ptr + row)
             for s in range(1, NS):
@@ -925,7 +923,7 @@ if HAVE_TRITON:
                      FUSE_ROPE: tl.constexpr, WRITE_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
                      EARLY_INPUTS: tl.constexpr, KV_EV: tl.constexpr,
                      l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr, L2_CH: tl.constexpr,
-                     sum_ptr, den_ptr, SUM: tl.constexpr):
+                     sum_ptr, den_ptr, B_H, SUM: tl.constexpr):
         """Grid (B, KV, NSPLIT): the G query heads of kv head `kvh` of row b over one split
         of the keys 0..pos[b] of slot[b]; nothing past pos[b] is read. A split covers cdiv(pos+1, NSPLIT) keys rounded up to BLOCK_S; one
         that starts past pos runs no iteration (m = -inf, l = 0, acc = 0).
@@ -958,8 +956,9 @@ if HAVE_TRITON:
         sum_ptr [B, H, HD] and l * f into den_ptr [B, H] (float32, zeros before; atomics),
         f = exp(m - M) for each head's M = the larger of the scores of this step's key and of
         key 0 (this step's key alone at position 0), the same in every split of the head, so
-        sum / den is the head's attention output whatever the splits' order. Every split's
-        score of this step's key is within a rounding of M's term, so den is about 1 or more.
+        sum / den is the head's attention output whatever the splits' order. The split holding
+        M's key scores it within a rounding of M, so den is about 1 or more; a split whose m
+        is above M by more than 60 sets den_ptr[B_H] (B_H = B * H; zero before) to 1.
         """
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -999,6 +998,8 @@ if HAVE_TRITON:
         base = slot.to(tl.int64) * s_slot + kvh * s_head
         k_base = kc_ptr + base
         v_base = vc_ptr + base
+        if SUM:  # key 0 (an earlier step's cell once pos > 0), loaded beside the step's first loads
+            k_first = tl.load(k_base + d).to(tl.float32)
         if PRELOAD_KV:
             offs0 = start + tl.arange(0, BLOCK_S)
             valid0 = offs0 < end
@@ -1069,7 +1070,7 @@ if HAVE_TRITON:
                         k_now = tl.load(k_base + pos.to(tl.int64) * s_seq + d).to(tl.float32)
                     qf = q.to(tl.float32)
                     s_now = tl.sum(qf * k_now[None, :], axis=1) * scale
-                    s_first = tl.sum(qf * tl.load(k_base + d).to(tl.float32)[None, :], axis=1) * scale
+                    s_first = tl.sum(qf * k_first[None, :], axis=1) * scale
                     at = pos + 0 * g  # full-shape compares: the interpreter rejects scalar masks
                     ref = tl.where(at > 0, tl.maximum(s_now, s_first), s_now)
                     f = tl.where(gm, tl.exp(m_i - ref), 0.0)  # a split without keys: m = -inf, 0
@@ -1077,6 +1078,8 @@ if HAVE_TRITON:
                     tl.atomic_add(sum_ptr + hrow[:, None] * HD + d[None, :], acc * f[:, None], mask=gm[:, None],
                                   sem="relaxed")
                     tl.atomic_add(den_ptr + hrow, l_i * f, mask=gm, sem="relaxed")
+                    # a weight past exp(60): flag den_ptr[B * H] (o_proj merges the partials)
+                    tl.store(den_ptr + B_H + 0 * g, tl.full([GP], 1.0, tl.float32), mask=gm & (m_i - ref > 60.0))
         else:
             if PHASE == 1 or NSPLIT == 1:  # NSPLIT == 1: start is 0
                 if PRELOAD_KV:
@@ -1604,7 +1607,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
         raise ValueError("the buffer to zero: contiguous float32")
     if heads is not None:
         den, po, pm, pl, xh, xns = heads
-        if use_dot or B != 1 or x.dtype != torch.float32 or K % xh or den.numel() != K // xh:
+        if use_dot or B != 1 or x.dtype != torch.float32 or K % xh or den.numel() != K // xh + 1:
             raise ValueError("the attention's sums as x: one row, on the FMA path, float32, [H * hd] for H heads")
     else:
         den = po = pm = pl = w
@@ -1799,7 +1802,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     """qkv partials [NP, B, (H+2KV)*hd] -> (attention output [B, H*hd] in the model dtype,
     None), after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. sums
     (KNOBS["combine"]["IN_O"], as _decode decides: batch 1, online softmax, NSPLIT > 1, no
-    CLUSTER; float32 [H*hd + H], zeroed by qkv's kernel): the splits add into it and no combine
+    CLUSTER; float32 [H*hd + H + 1]: sums, denominators, overflow flag; zeroed by qkv's kernel): the splits add into it and no combine
     kernel runs; returns (its [1, H*hd] sums, the `heads` tuple for o_proj's _gemv). roped (the
     attention stage on): qkv is q [1, B, H*hd], RoPE'd, and this step's K/V are written (qkv's
     ROPE): the attention kernels only read. With PDL and
@@ -1842,8 +1845,8 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         pl = torch.empty(B, H, nsplit, device=qkv.device, dtype=torch.float32)
     else:
         po = pm = pl = o
-    if sums is not None and (B != 1 or exact or nsplit == 1 or sums.numel() != H * hd + H):
-        raise ValueError("the attention's sums (IN_O): one row, online softmax, NSPLIT > 1, [H * hd + H] floats")
+    if sums is not None and (B != 1 or exact or nsplit == 1 or sums.numel() != H * hd + H + 1):
+        raise ValueError("the attention's sums (IN_O): one row, online softmax, NSPLIT > 1, [H * hd + H + 1] floats")
     if sums is None and nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
         nw = int(ka["num_warps"])
         l3, lq, lc = _cluster_layouts(G, hd, nsplit, nw)
@@ -1877,10 +1880,11 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
                                       sum_ptr=sums if sums is not None else o,
-                                      den_ptr=sums[H * hd:] if sums is not None else o, SUM=sums is not None,
+                                      den_ptr=sums[H * hd:] if sums is not None else o, B_H=B * H,
+                                      SUM=sums is not None,
                                       **meta)
     if sums is not None:
-        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, hd, nsplit)
+        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, hd, nsplit)  # den: [H] + the flag
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
@@ -1950,7 +1954,7 @@ def _decode(state, batch):
     ka = KNOBS["attn"]
     in_o = (fold and not fused and not ogu and bool(KNOBS["combine"].get("IN_O", False)) and _stage("attention")
             and not ka["EXACT_SOFTMAX"] and int(ka["NSPLIT"]) > 1 and not ka.get("CLUSTER", False))
-    sums = torch.empty(H * hd + H, device=dev, dtype=torch.float32) if in_o else None
+    sums = torch.empty(H * hd + H + 1, device=dev, dtype=torch.float32) if in_o else None  # sums, dens, flag
     for i, layer in enumerate(layers):
         p = f"model.layers.{layer}."
         w_gu = t[p + "mlp.gate_up_proj.weight"]
