@@ -509,29 +509,33 @@ if HAVE_TRITON:
         return xf * gt.to(tl.float32)[None, :], xf * xf
 
     @triton.jit
-    def _attn_x(xt, cols, K, den_ptr, po_ptr, pm_ptr, pl_ptr, like_ptr, HD: tl.constexpr, NS: tl.constexpr):
-        """KNOBS["combine"]["IN_O"], row 0: o_proj's x tile [1, n] at columns `cols` from the
+    def _attn_x(xt, c0, K, den_ptr, po_ptr, pm_ptr, pl_ptr, o_ptr, HD: tl.constexpr, NS: tl.constexpr,
+                NS_P: tl.constexpr, N: tl.constexpr):
+        """KNOBS["combine"]["IN_O"], row 0: o_proj's x tile [1, N] at columns c0.. from the
         attention splits' weighted sums there (xt, float32), each divided by its head's
-        denominator (den_ptr [H]) and rounded to like_ptr's dtype, as the combine kernel stores
-        o. Where a split flagged a weight past exp(60) (den_ptr[K // HD] set: a score far above
-        its head's reference), the tile is merged from the splits' partials instead (po
-        [H, NS, HD], pm / pl [H, NS], float32), as _attn_combine_kernel merges them."""
+        denominator (den_ptr [H]) and rounded to o_ptr's dtype (the model's), as the combine
+        kernel stores o. Where a split flagged a weight past exp(60) (den_ptr[K // HD] set: a
+        score far above its head's reference), the program merges the tile's heads from the
+        splits' partials (po [H, NS, HD], pm / pl [H, NS], float32) as _attn_combine_kernel
+        does, into o_ptr [K] (every program writes the same values there), and reads the tile
+        back after a block barrier: one head at a time, so the registers it holds stay few."""
+        cols = c0 + tl.arange(0, N)[None, :]
         c = tl.minimum(cols, K - 1)
-        h = c // HD
-        x = xt.to(tl.float32) / tl.load(den_ptr + h)
+        x = _round(xt.to(tl.float32) / tl.load(den_ptr + c // HD), o_ptr)
         if tl.load(den_ptr + K // HD) != 0.0:
-            row = h * NS
-            mx = tl.load(pm_ptr + row)
-            for s in range(1, NS):
-                mx = tl.maximum(mx, tl.load(pm_ptr + row + s))
-            num = tl.zeros_like(x)
-            den = tl.zeros_like(x)
-            for s in range(0, NS):
-                wgt = tl.exp(tl.load(pm_ptr + row + s) - mx)
-                num += tl.load(po_ptr + (row + s) * HD + c % HD) * wgt
-                den += tl.load(pl_ptr + row + s) * wgt
-            x = num / den
-        return _round(x, like_ptr)
+            s = tl.arange(0, NS_P)
+            sm = s < NS
+            d = tl.arange(0, HD)
+            for hh in range(c0 // HD, (tl.minimum(c0 + N, K) + HD - 1) // HD):
+                row = hh * NS + s
+                m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
+                wgt = tl.where(sm, tl.exp(m - tl.max(m, axis=0)), 0.0)
+                acc = tl.load(po_ptr + row[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0)
+                out = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(tl.load(pl_ptr + row, mask=sm, other=0.0) * wgt, axis=0)
+                tl.store(o_ptr + hh * HD + d, _to(out, o_ptr))
+            tl.debug_barrier()  # the block's own writes, visible to its loads below
+            x = tl.load(o_ptr + c).to(tl.float32)
+        return x
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, B, N, K, K_SPLIT, N_UP,
@@ -547,7 +551,8 @@ if HAVE_TRITON:
                      DOWN_PRE: tl.constexpr, z_ptr, Z_BLOCK: tl.constexpr,
                      ROPE: tl.constexpr, q_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                      stride_cos, s_slot, s_head, s_seq, RH: tl.constexpr, RKV: tl.constexpr, RHD: tl.constexpr,
-                     z_n, den_ptr, po_ptr, pm_ptr, pl_ptr, XH: tl.constexpr, XNS: tl.constexpr):
+                     z_n, den_ptr, po_ptr, pm_ptr, pl_ptr, xo_ptr, XH: tl.constexpr, XNS: tl.constexpr,
+                     XNS_P: tl.constexpr):
         """out[s, b, n] = sum over k in split s of x[b, k] * w[n, k]  (w: [N(+N_UP), K] rows).
 
         Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B)). Each program streams its
@@ -585,7 +590,8 @@ if HAVE_TRITON:
         into: the fused MLP's residual, IN_O's attention sums; Z_BLOCK a power of two >= z_n).
         XH > 0 (B == 1, the FMA path; KNOBS["combine"]["IN_O"]): x is the attention splits' sums
         [H * XH] (float32), each x tile divided by its heads' denominators after its load
-        (_attn_x: den_ptr, and the XNS splits' partials po_ptr, pm_ptr, pl_ptr to fall back on).
+        (_attn_x: den_ptr, and the XNS splits' partials po_ptr, pm_ptr, pl_ptr to fall back on,
+        merged into xo_ptr, the model-dtype attention output; XNS_P a power of two >= XNS).
         ROPE (B == 1, SPLIT_K == 1, the FMA path; w the qkv weight of RH q heads, then RKV k and
         RKV v heads of RHD dims, BLOCK_N even and dividing RHD): program n's rows are dims
         j*BLOCK_N/2 + i and the same + RHD/2 (i < BLOCK_N/2) of head n // (RHD / BLOCK_N), so each
@@ -673,7 +679,7 @@ if HAVE_TRITON:
                 xpm = b_mask[:, None] & (offs_p < K)[None, :]
             xp = tl.load(x_rows + offs_p[None, :], mask=xpm, other=0.0)  # [BLOCK_B, PRE_K]
             if XH > 0:
-                xp = _attn_x(xp, offs_p[None, :], K, den_ptr, po_ptr, pm_ptr, pl_ptr, w_ptr, XH, XNS)
+                xp = _attn_x(xp, k_lo, K, den_ptr, po_ptr, pm_ptr, pl_ptr, xo_ptr, XH, XNS, XNS_P, PRE_K)
             if FOLD:
                 xp, ssp = _folded(xp, g_ptr, offs_p, K, EVEN_K)
                 if not SS_ROW:
@@ -698,8 +704,7 @@ if HAVE_TRITON:
             else:
                 xt, wt, wu = _gemv_tiles(x_rows, w_rows, wu_rows, k0, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
             if XH > 0:
-                xt = _attn_x(xt, (k0 + tl.arange(0, BLOCK_K))[None, :], K, den_ptr, po_ptr, pm_ptr, pl_ptr, w_ptr,
-                             XH, XNS)
+                xt = _attn_x(xt, k0, K, den_ptr, po_ptr, pm_ptr, pl_ptr, xo_ptr, XH, XNS, XNS_P, BLOCK_K)
             if FOLD:
                 xt, sst = _folded(xt, g_ptr, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
                 if not SS_ROW:
@@ -1576,8 +1581,9 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     ["FUSED"]): the down weight [K, N]: into (zeros) gets x + down(silu(gate) * up) added, the
     MLP in one kernel. zero (a float32 tensor): zeroed by the kernel after its wait.
     heads (batch 1, the FMA path; KNOBS["combine"]["IN_O"]; _attention's tuple: the heads'
-    denominators, the splits' partials po / pm / pl, the head dim and the split count): x is
-    the attention splits' float32 sums, divided by their heads' denominators as it is loaded.
+    denominators and the overflow flag, the splits' partials po / pm / pl, the model-dtype
+    attention output buffer to merge them into, the head dim and the split count): x is the
+    attention splits' float32 sums, divided by their heads' denominators as it is loaded.
     rope (batch 1, SPLIT_K 1; _decode's tuple: q [1, 1, H*hd], the cos / sin tables, positions,
     slots, the layer's K and V caches, H, KV, hd): w is qkv's weight; the kernel RoPEs q and
     k, writes q into q and this step's k and v into the caches, and q is returned.
@@ -1605,11 +1611,11 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
         raise ValueError("the buffer to zero: contiguous float32")
     if heads is not None:
-        den, po, pm, pl, xh, xns = heads
+        den, po, pm, pl, xo, xh, xns = heads
         if use_dot or B != 1 or x.dtype != torch.float32 or K % xh or den.numel() != K // xh + 1:
             raise ValueError("the attention's sums as x: one row, on the FMA path, float32, [H * hd] for H heads")
     else:
-        den = po = pm = pl = w
+        den = po = pm = pl = xo = w
         xh = xns = 0
     if rope is not None:
         q, cos, sin, pos, slots, kc, vc, H, KV, hd = rope
@@ -1641,7 +1647,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
                        z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(zero.numel()) if zero is not None else 0,
                        z_n=zero.numel() if zero is not None else 0,
-                       den_ptr=den, po_ptr=po, pm_ptr=pm, pl_ptr=pl, XH=xh, XNS=xns,
+                       den_ptr=den, po_ptr=po, pm_ptr=pm, pl_ptr=pl, xo_ptr=xo, XH=xh, XNS=xns, XNS_P=_pow2(max(1, xns)),
                        ROPE=rope is not None, q_ptr=q, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos, slot_ptr=slots,
                        kc_ptr=kc, vc_ptr=vc, stride_cos=cos.stride(0) if rope is not None else 0,
                        **(dict(zip(("s_slot", "s_head", "s_seq"), kc.stride()[:3])) if rope is not None
@@ -1883,7 +1889,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       SUM=sums is not None,
                                       **meta)
     if sums is not None:
-        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, hd, nsplit)  # den: [H] + the flag
+        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, o, hd, nsplit)  # den: [H] + the flag
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
