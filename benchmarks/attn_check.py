@@ -75,11 +75,11 @@ def run_case(mod, state: State, knobs: dict, positions: list[int], slots: list[i
     saved = copy.deepcopy(mod.KNOBS)
     try:
         mod.KNOBS["attn"].update(knobs)
-        out = mod._attention(state, 0, qkv, batch, pos, sl).float()
+        out = mod._attention(state, 0, qkv, batch, pos, sl)[0].float()  # (output, None) without sums
         got_k, got_v = state.k_cache[0].clone(), state.v_cache[0].clone()
         state.load_cache(*cache)
         mod.KNOBS["stages"]["attention"] = False
-        ref = mod._attention(state, 0, qkv, batch, pos, sl).float()
+        ref = mod._attention(state, 0, qkv, batch, pos, sl)[0].float()
     finally:
         mod.KNOBS.clear()
         mod.KNOBS.update(saved)
