@@ -535,7 +535,8 @@ if HAVE_TRITON:
                 m = tl.load(pm_ptr + row, mask=sm, other=float("-inf"))
                 wgt = tl.where(sm, tl.exp(m - tl.max(m, axis=0)), 0.0)
                 acc = tl.load(po_ptr + row[:, None] * HD + d[None, :], mask=sm[:, None], other=0.0)
-                out = tl.sum(acc * wgt[:, None], axis=0) / tl.sum(tl.load(pl_ptr + row, mask=sm, other=0.0) * wgt, axis=0)
+                den = tl.sum(tl.load(pl_ptr + row, mask=sm, other=0.0) * wgt, axis=0)
+                out = tl.sum(acc * wgt[:, None], axis=0) / den
                 tl.store(o_ptr + hh * HD + d, _to(out, o_ptr))
             tl.debug_barrier()  # the block's own writes, visible to its loads below
             x = tl.load(o_ptr + c).to(tl.float32)
@@ -658,7 +659,8 @@ if HAVE_TRITON:
         _pdl_wait(PDL)
         if Z_BLOCK > 0:  # the next residual buffer: its last reader ended before this wait
             offs_z = tl.arange(0, Z_BLOCK)
-            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32), mask=(offs_z < z_n) & (offs_z * 0 + l2_pid == 0))
+            tl.store(z_ptr + offs_z, tl.zeros([Z_BLOCK], dtype=tl.float32),
+                     mask=(offs_z < z_n) & (offs_z * 0 + l2_pid == 0))
         if L2_AT == 2:
             _prefetch_rows(l2_ptr, l2_rows, l2_stride, l2_bytes, l2_pid, l2_nprog, L2_CH)
         if FOLD:
@@ -1617,7 +1619,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     if heads is not None:
         den, po, pm, pl, xo, xh, xns = heads
         if use_dot or B != 1 or x.dtype != torch.float32 or K % xh or den.numel() != K // xh + 1:
-            raise ValueError("the attention's sums as x: one row, on the FMA path, float32, [H * hd] for H heads")
+            raise ValueError("the attention's sums as x: one row, on the FMA path, float32 [H * hd], and H "
+                             "denominators and a flag")
     else:
         den = po = pm = pl = xo = w
         xh = xns = 0
@@ -1651,7 +1654,8 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        DOWN_PRE=down is not None and bool(KNOBS["mlp"]["DOWN_PRE"]),
                        z_ptr=zero if zero is not None else x, Z_BLOCK=_pow2(zero.numel()) if zero is not None else 0,
                        z_n=zero.numel() if zero is not None else 0,
-                       den_ptr=den, po_ptr=po, pm_ptr=pm, pl_ptr=pl, xo_ptr=xo, XH=xh, XNS=xns, XNS_P=_pow2(max(1, xns)),
+                       den_ptr=den, po_ptr=po, pm_ptr=pm, pl_ptr=pl, xo_ptr=xo, XH=xh, XNS=xns,
+                       XNS_P=_pow2(max(1, xns)),
                        ROPE=rope is not None, q_ptr=q, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos, slot_ptr=slots,
                        kc_ptr=kc, vc_ptr=vc, stride_cos=cos.stride(0) if rope is not None else 0,
                        **(dict(zip(("s_slot", "s_head", "s_seq"), kc.stride()[:3])) if rope is not None
@@ -1811,8 +1815,9 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
     """qkv partials [NP, B, (H+2KV)*hd] -> (attention output [B, H*hd] in the model dtype,
     None), after writing this step's K/V into (slots[b], pos[b]) of `layer`'s cache. sums
     (KNOBS["combine"]["IN_O"], as _decode decides: batch 1, online softmax, NSPLIT > 1, no
-    CLUSTER; float32 [H*hd + H + 1]: sums, denominators, overflow flag; zeroed by qkv's kernel): the splits add into it and no combine
-    kernel runs; returns (its [1, H*hd] sums, the `heads` tuple for o_proj's _gemv). roped (the
+    CLUSTER; float32 [H*hd + H + 1]: the heads' sums, their denominators, the overflow flag;
+    zeroed by qkv's kernel): the splits add into it and no combine kernel runs; returns (its
+    [1, H*hd] sums, the `heads` tuple for o_proj's _gemv). roped (the
     attention stage on): qkv is q [1, B, H*hd], RoPE'd, and this step's K/V are written (qkv's
     ROPE): the attention kernels only read. With PDL and
     KNOBS["pdl"]["PREFETCH_O"], the first attention kernel prefetches `w_next` into L2; and
