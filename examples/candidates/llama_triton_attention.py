@@ -1862,6 +1862,7 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
         po = pm = pl = o
     if sums is not None and (B != 1 or exact or nsplit == 1 or sums.numel() != H * hd + H + 1):
         raise ValueError("the attention's sums (IN_O): one row, online softmax, NSPLIT > 1, [H * hd + H + 1] floats")
+    den = sums[H * hd:] if sums is not None else o  # the heads' denominators, then the overflow flag
     if sums is None and nsplit > 1 and _attn_cluster_ready(qkv.device, B, dtype, fuse, exact, nsplit, G, hd):
         nw = int(ka["num_warps"])
         l3, lq, lc = _cluster_layouts(G, hd, nsplit, nw)
@@ -1895,11 +1896,11 @@ def _attention(state, layer, qkv, batch, pos, slots, pdl=False, w_next=None, w_g
                                       KV_EV="evict_last" if KNOBS["l2"]["KV_EVICT_LAST"] else "",
                                       **(l2_first if i == 0 else l2_rest),
                                       sum_ptr=sums if sums is not None else o,
-                                      den_ptr=sums[H * hd:] if sums is not None else o, B_H=B * H,
+                                      den_ptr=den, B_H=B * H,
                                       SUM=sums is not None,
                                       **meta)
     if sums is not None:
-        return sums[:H * hd].view(1, H * hd), (sums[H * hd:], po, pm, pl, o, hd, nsplit)  # den: [H] + the flag
+        return sums[:H * hd].view(1, H * hd), (den, po, pm, pl, o, hd, nsplit)
     if nsplit > 1:
         _attn_combine_kernel[(B * H,)](o, po, pm, pl, HD=hd, NSPLIT=nsplit, NS_P=_pow2(nsplit),
                                        WEIGHTED=not exact, PDL=_early(pdl, "combine"),
