@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -580,7 +581,17 @@ def _match(r: dict, ref: dict) -> str:
 
 # ---- main ------------------------------------------------------------------------------
 
-def main() -> int:
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The engine this run needs: the device's default KV cache, or one long enough for the
+    prompt, the warm-up steps and the timed steps (`decode_loop` checks `context + steps + 1`;
+    the CPU's default is 512 positions, under the default 512 + 256)."""
+    cfg = EngineConfig(model=a.model, shrink=a.shrink, device=a.device, seed=a.seed,
+                       call_timeout_s=a.call_timeout_s, fast_rounds=a.fast_rounds)
+    need = a.context + a.steps + 1
+    return dataclasses.replace(cfg, max_seq=max(need, cfg.resolved().max_seq))
+
+
+def parser() -> argparse.ArgumentParser:
     p = engine_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     p.add_argument("files", nargs="*", help="candidate files (KNOBS literals are hill-climbed)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode steps")
@@ -612,7 +623,11 @@ def main() -> int:
     p.add_argument("--call-timeout-s", type=float, default=90.0, help="per engine call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fast-rounds", type=int, default=0, help="the engine's fast-tier rounds (0: its default)")
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = parser().parse_args()
     t0 = time.perf_counter()
     res: dict = {"bench": "forward", "context": a.context, "steps": a.steps, "files": a.files}
 
@@ -621,8 +636,7 @@ def main() -> int:
             Path(a.out).write_text(json.dumps(res | {"partial": True}, indent=2, default=str))
 
     log(f"== forward bench: {a.model} on {a.device}, batch 1, context {a.context}, {a.steps} steps")
-    eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, seed=a.seed,
-                              call_timeout_s=a.call_timeout_s, fast_rounds=a.fast_rounds))
+    eng = Engine(engine_config(a))
     run = Run(eng, a, t0)
     res |= {"model": eng.model.name, "device": a.device, "dtype": eng.config.dtype,
             "startup_s": round(eng.startup_s, 2), "weights": eng.weights_source, "weight_bytes": eng.weight_bytes,

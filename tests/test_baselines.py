@@ -164,6 +164,18 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert "x ref" in p.stdout
 
 
+def test_forward_bench_sizes_the_cache_for_its_run():
+    """The default run (context 512, 256 steps) fits the engine's KV cache on the CPU, whose
+    default is 512 positions; a device default already long enough is kept."""
+    a = forward_bench.parser().parse_args(["--device", "cpu", "--shrink"])
+    assert (a.context, a.steps) == (512, 256)
+    assert forward_bench.engine_config(a).max_seq == 769
+    a.context, a.steps = 16, 6
+    assert forward_bench.engine_config(a).max_seq == 512
+    a.device = "cuda"
+    assert forward_bench.engine_config(a).max_seq == 4096
+
+
 def test_climb_looks_past_a_plateau():
     """A knob whose first doubling gains less than --min-gain but whose second gains more:
     the climb takes one more step past the plateau and keeps it; a loss stops it."""
