@@ -2,6 +2,9 @@
 
     python benchmarks/attn_check.py --device cuda [--shrink] [--settings '{"name": {KNOBS["attn"] overrides}}']
 
+On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set when unset):
+minutes on the shrunk preset.
+
 For each attention setting (KNOBS["attn"] overrides of examples/candidates/llama_triton_decode.py,
 default: exact and online softmax, split and unsplit, with and without the fused RoPE) and
 each decode position in --positions (batch 1, and batch 2 with two slots at other
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,6 +122,8 @@ def main() -> int:
     p.add_argument("--positions", default="0,1,15,63,64,65,127,300,511,1023,2047")
     p.add_argument("--max-seq", type=int, default=2048)
     a = p.parse_args()
+    if not a.device.startswith("cuda"):  # the example's kernels run on the CPU only under Triton's interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     dtype = getattr(torch, a.dtype)
     settings = json.loads(a.settings) if a.settings else SETTINGS
     positions = [int(x) for x in a.positions.split(",") if int(x) < a.max_seq]

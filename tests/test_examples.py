@@ -732,3 +732,18 @@ def test_attn_check_tells_rounding_from_a_bug():
         assert rows[name]["kv_max_diff"] == 0.0, rows[name]  # RoPE rounded where the reference rounds
         assert len(rows[name]["cases"]) == 6  # 3 positions, batch 1 and batch 2
     assert rows["broken-scale"]["worst_rel_err"] > 0.1, rows["broken-scale"]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_attn_check_runs_on_the_cpu_as_a_user_runs_it():
+    """`python benchmarks/attn_check.py --device cpu` with no TRITON_INTERPRET in the
+    environment: the script asks for the interpreter itself (a CPU has no Triton driver)."""
+    env = dict(os.environ, TKCC_LOG_LEVEL="WARNING")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attn_check.py"), "--device", "cpu",
+                           "--shrink", "--positions", "0,17", "--max-seq", "64",
+                           "--settings", '{"online": {"EXACT_SOFTMAX": false, "NSPLIT": 4, "BLOCK_S": 16}}'],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["settings"]
+    assert row["finite"] and row["worst_rel_err"] < 2e-2 and len(row["cases"]) == 4, row
