@@ -43,7 +43,8 @@ def trace_text(calls: list, layers: int) -> str:
 def main() -> int:
     p = engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--n", type=int, default=6)
-    p.add_argument("cheater", help="a file stem under tests/cheaters/")
+    p.add_argument("cheater", choices=sorted(f.stem for f in CHEATERS.glob("*.py")),
+                   help="a file stem under tests/cheaters/")
     a = p.parse_args()
     eng = Engine(EngineConfig(model=a.model, shrink=a.shrink, device=a.device, call_timeout_s=120))
     source = (CHEATERS / f"{a.cheater}.py").read_text() + LOGGER
