@@ -53,7 +53,9 @@ BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plau
 # with the chance DEPTH_REPS / fast_min_rounds, drawn from the OS's entropy (`_depth_odds`):
 # no pass can tell which rounds will be checked, so one that pads its no-layer steps in more
 # than half the rounds (what it takes to move the median) shows it in about as many of the
-# check rounds (tests/cheaters/depth_counter.py); the warm-up rounds are drawn the same way, so
+# check rounds, and a pass honest only just after a full-depth step, whose check rounds look
+# honest when one came just before them (tests/cheaters/depth_counter.py), shows it in its
+# full-depth time over the median estimate (`_estimate_check`); the warm-up rounds are drawn the same way, so
 # the first full-depth step may come in the first round. (CPU: 3 decode rounds give the verdicts 5
 # gave, reference copies passing and the depth padder of tests/cheaters far outside:
 # benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2 rounds judged their mean,
@@ -376,6 +378,7 @@ def fast(eng, cand) -> MeasureResult:
     eng.state.load_cache(*setup.kv)
     raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
     depth: dict[str, dict[str, list[float]]] = {s: {sh.name: [] for sh in checked} for s in sides}
+    full: dict[str, dict[str, list[float]]] = {s: {sh.name: [] for sh in checked} for s in sides}  # "L" timings
     # where the call's seconds go, for whoever wants the tier cheaper (result config "phases_s")
     phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0,
               "depth_check": 0.0}
@@ -404,13 +407,14 @@ def fast(eng, cand) -> MeasureResult:
                     raw[s][d, sh.name].append(got[s][d, sh.name])
                 for name, x in _depth_samples(eng, got[s], check).items():
                     depth[s][name].append(x)
+                    full[s][name].append(got[s]["L", name])
             a, b = (sum(sh.weight * estimate(s, sh, i) for sh in setup.shapes) for s in ("ref", "cand"))
             ratios.append(a / b if b > 0 else float("inf"))
             stopped = should_stop(ratios, cfg.fast_min_rounds, cfg.fast_rounds, cfg.fast_ci)
         r += 1
     t0 = time.perf_counter()  # fewer check rounds than the least: more rounds, drawn the same way
     more = _depth_rounds(eng, sides, plan, odds, rng, {sh.name: _depth_least(eng, sh) - len(depth["cand"][sh.name])
-                                                         for sh in checked}, set(pool), {n for n in pool if depth["ref"][n]})
+                                                         for sh in checked}, set(pool), {n for n in pool if depth["ref"][n]}, full)
     for s in sides:
         for name, xs in more[s].items():
             depth[s][name] += xs
@@ -457,7 +461,11 @@ def fast(eng, cand) -> MeasureResult:
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need}), pool)
+    again = {s: {sh.name: [] for sh in checked} for s in sides}  # a recheck's "L" timings
+    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need},
+                                                                   full=again), pool)
+    _estimate_check(eng, res, {name: again["cand"][name] or times for name, times in full["cand"].items()},
+                    est["cand"])
     phases["depth_check"] += time.perf_counter() - t0  # a recheck's rounds
     _plausibility(eng, res, setup)
     res.valid = not res.violations
@@ -562,12 +570,14 @@ def _depth_samples(eng, got: dict, check: set[str]) -> dict[str, float]:
 
 
 def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int],
-                  ref_once: set[str] = frozenset(), ref_done: set[str] = frozenset()) -> dict:
+                  ref_once: set[str] = frozenset(), ref_done: set[str] = frozenset(),
+                  full: dict | None = None) -> dict:
     """Whole rounds as the fast tier's (each drawn as a check round with the same odds) until
     every shape in `need` has that many more check rounds; the reference times a shape of
     `ref_once` (its pool stands for it) at full depth once a call: not at all if it is in
     `ref_done` (timed already), else in the first of these rounds that checks it.
-    {side: {shape: [ratios]}}."""
+    {side: {shape: [ratios]}}; each full-depth timing is also added to `full[side][shape]`
+    where given."""
     out: dict = {s: {name: [] for name in need} for s in sides}
     r = 0
     while any(len(out["cand"][name]) < n for name, n in need.items()):
@@ -577,6 +587,8 @@ def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str,
         for s in sides:
             for name, x in _depth_samples(eng, got[s], check).items():
                 out[s][name].append(x)
+                if full is not None:
+                    full[s][name].append(got[s]["L", name])
         r += 1
     return out
 
@@ -618,6 +630,29 @@ def _depth_check(eng, res: MeasureResult, depth: dict, recheck, pool: dict[str, 
             res.violations.append(f"{name}: a full-depth step takes {ratio['cand']:.2f}x the time the fast "
                                   f"tier's depth extrapolation gives (reference {ratio['ref']:.2f}x): its time "
                                   f"does not grow with the layers it runs as it should")
+
+
+def _estimate_check(eng, res: MeasureResult, full: dict[str, list[float]], est: dict[str, list[float]]) -> None:
+    """The depth check judges each check round's own extrapolation; the speedup rests on the
+    median of every round's. A pass that is honest only for a while after a full-depth step
+    (tests/cheaters/depth_counter.py) pads the rounds that follow no check round, and its
+    check rounds look honest whenever a check round came just before them. So the candidate's
+    full-depth time (the median of its check rounds' timings) over the median estimate the
+    speedup used must also stay within the slack of the reference's full depth over its
+    extrapolation (the depth check's ratio; a shape it rechecked is judged on the recheck's
+    full-depth timings, as the depth check is). full, est: the candidate's, by shape name."""
+    kind = "cuda" if eng.cuda else "cpu"
+    for name, times in full.items():
+        check = res.config.get("depth_check", {}).get(name)
+        if not times or check is None:
+            continue
+        e = statistics.median(est[name])
+        got = statistics.median(times) / e if e > 0 else float("inf")
+        check["cand_over_estimate"] = round(got, 3)
+        if got > DEPTH_SLACK[kind] * check["ref"]:
+            res.violations.append(f"{name}: its full-depth steps take {got:.2f}x the median estimate the speedup "
+                                  f"rests on (reference {check['ref']:.2f}x): its rounds are faster than its "
+                                  f"full depth is")
 
 
 def pool_reference_depth(setup: FastSetup, res: MeasureResult) -> None:
