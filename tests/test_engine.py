@@ -209,6 +209,41 @@ def test_depth_check_rechecks_a_failed_shape_before_it_flags_it():
     assert asked and any("grow with the layers" in v for v in res.violations), res.violations
 
 
+def _estimate_judged(first: float, again: float, depth_rechecked: bool = False):
+    """The estimate check's verdict on one decode shape whose speedup is 2.0 in every round,
+    and whose speedup at full depth is 2.0 / `first` in its 3 check rounds and 2.0 / `again`
+    in the rounds a recheck adds (the reference's full depth over its extrapolation: 1.0)."""
+    name = "decode B=1 ctx=8"
+    res = measure.MeasureResult(candidate_id="c", tier="fast", ok=True)
+    res.config["depth_check"] = {name: {"ref": 1.0, "cand": 1.0, "rechecked": depth_rechecked}}
+    asked = []
+
+    def recheck(shape, rounds):
+        asked.append((shape, rounds))
+        return [2.0 / again] * rounds
+    measure._estimate_check(type("Eng", (), {"cuda": False})(), res, {name: [2.0 / first] * 3},
+                            {name: [2.0] * 12}, recheck)
+    return res, asked, res.config["depth_check"][name]
+
+
+def test_estimate_check_rechecks_a_failed_shape_before_it_flags_it():
+    # within the slack (1.4 on the CPU): nothing timed again
+    res, asked, check = _estimate_judged(first=1.3, again=9.0)
+    assert not res.violations and not asked and check["estimate_rechecked"] is False, check
+    assert check["cand_over_estimate"] == pytest.approx(1.3)
+    # a few noisy check rounds that the recheck does not confirm: no violation
+    res, asked, check = _estimate_judged(first=1.6, again=1.0)
+    assert asked == [("decode B=1 ctx=8", 6)] and not res.violations, res.violations
+    assert check["estimate_rechecked"] is True and check["first_cand_over_estimate"] == pytest.approx(1.6)
+    assert check["cand_over_estimate"] == pytest.approx(1.0)
+    # rounds faster than full depth show in the recheck too: flagged
+    res, asked, check = _estimate_judged(first=2.5, again=2.5)
+    assert asked and any("rests on" in v for v in res.violations), res.violations
+    # the depth check's recheck already gave these rounds: judged on them, not timed again
+    res, asked, check = _estimate_judged(first=2.5, again=1.0, depth_rechecked=True)
+    assert not asked and any("rests on" in v for v in res.violations), res.violations
+
+
 # a correct pass whose first full-depth batch-1 decode steps are slow (as a noisy spell of the
 # machine would make them); `armed` is set by the test
 FIRST_LOOK_SLOW = """
@@ -362,6 +397,34 @@ def test_warm_up_rounds_are_drawn_as_check_rounds_too(llama_engine):
     prefill_k = [i for i, (n, t) in enumerate(calls) if n == k and t > 1]
     first_full = next(i for i, (n, _) in enumerate(calls) if n == L)
     assert first_full < prefill_k[1], calls[:prefill_k[1] + 1]
+
+
+def test_estimate_check_is_not_moved_by_a_machine_slow_in_the_check_rounds(llama_engine, monkeypatch):
+    """A 3x slower honest pass on a machine that runs 1.8x slow in every check round (as a
+    loaded host can): the speedup and the speedup at full depth are each paired within rounds,
+    so the estimate check sees the pass's true 1.0 and it stays valid. (Judged across rounds,
+    full depth over the median estimate was 1.8, outside the CPU's slack of 1.4. The timings
+    are synthetic: each is (1 + layers) times the side's cost, patched in after the install.)"""
+    eng = llama_engine
+    L, k = len(eng.state.layers), len(eng.fast_layers)
+    layers = {"0": 0, "k": k, "L": L}
+    real = measure._timed_round
+
+    def timed(*args, **kw):
+        got = real(*args, **kw)
+        slow = 1.8 if any(d == "L" for d, _ in got["cand"]) else 1.0
+        return {s: {(d, n): slow * (3.0 if s == "cand" else 1.0) * 1e-3 * (1 + layers[d]) for d, n in t}
+                for s, t in got.items()}
+    r = eng.submit_forward_pass(GOOD)
+    assert r.ok, r.error
+    monkeypatch.setattr(measure, "_timed_round", timed)
+    fm = eng.measure_fast(r.candidate_id)
+    assert fm.ok, fm.error
+    check = fm.config["depth_check"][fm.shapes[0].shape]
+    assert check["cand_over_estimate"] == pytest.approx(1.0), check
+    # the engine's guard sees the patch (the only violation it may add); nothing else is flagged
+    rest = [v for v in fm.violations if "measure._timed_round was replaced" not in v]
+    assert not rest and fm.speedup == pytest.approx(1 / 3), (fm.violations, check)
 
 
 # a reference copy that logs the depth, batch rows and tokens of every call

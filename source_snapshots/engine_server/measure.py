@@ -55,7 +55,7 @@ BANDWIDTH_BYTES_S = 4.3e12  # measured H200 copy bandwidth; the fast tier's plau
 # than half the rounds (what it takes to move the median) shows it in about as many of the
 # check rounds, and a pass honest only just after a full-depth step, whose check rounds look
 # honest when one came just before them (tests/cheaters/depth_counter.py), shows it in its
-# full-depth time over the median estimate (`_estimate_check`); the warm-up rounds are drawn the same way, so
+# speedup over its speedup at full depth (`_estimate_check`); the warm-up rounds are drawn the same way, so
 # the first full-depth step may come in the first round. (CPU: 3 decode rounds give the verdicts 5
 # gave, reference copies passing and the depth padder of tests/cheaters far outside:
 # benchmarks/results/cpu_depth_check_*.json; a prefill checked on 2 rounds judged their mean,
@@ -378,7 +378,7 @@ def fast(eng, cand) -> MeasureResult:
     eng.state.load_cache(*setup.kv)
     raw = {s: {(d, sh.name): [] for d, sh in plan} for s in sides}
     depth: dict[str, dict[str, list[float]]] = {s: {sh.name: [] for sh in checked} for s in sides}
-    full: dict[str, dict[str, list[float]]] = {s: {sh.name: [] for sh in checked} for s in sides}  # "L" timings
+    full: dict[str, list[float]] = {sh.name: [] for sh in checked}  # full-depth speedups (`_full_speedups`)
     # where the call's seconds go, for whoever wants the tier cheaper (result config "phases_s")
     phases = {"setup": time.perf_counter() - t_start, "rounds_decode": 0.0, "rounds_prefill": 0.0,
               "depth_check": 0.0}
@@ -407,7 +407,8 @@ def fast(eng, cand) -> MeasureResult:
                     raw[s][d, sh.name].append(got[s][d, sh.name])
                 for name, x in _depth_samples(eng, got[s], check).items():
                     depth[s][name].append(x)
-                    full[s][name].append(got[s]["L", name])
+            for name, x in _full_speedups(eng, got, check).items():
+                full[name].append(x)
             a, b = (sum(sh.weight * estimate(s, sh, i) for sh in setup.shapes) for s in ("ref", "cand"))
             ratios.append(a / b if b > 0 else float("inf"))
             stopped = should_stop(ratios, cfg.fast_min_rounds, cfg.fast_rounds, cfg.fast_ci)
@@ -461,11 +462,21 @@ def fast(eng, cand) -> MeasureResult:
     res.outputs_match = worst
     phases["outputs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    again = {s: {sh.name: [] for sh in checked} for s in sides}  # a recheck's "L" timings
-    _depth_check(eng, res, depth, lambda name, need: _depth_rounds(eng, sides, plan, odds, rng, {name: need},
-                                                                   full=again), pool)
-    _estimate_check(eng, res, {name: again["cand"][name] or times for name, times in full["cand"].items()},
-                    est["cand"])
+    again = {sh.name: [] for sh in checked}  # a recheck's full-depth speedups
+
+    def recheck(name: str, need: int) -> dict:
+        """`need` more check rounds of shape `name`: their depth ratios; again[name] their
+        full-depth speedups."""
+        again[name] = []
+        return _depth_rounds(eng, sides, plan, odds, rng, {name: need}, full=again)
+
+    def recheck_full(name: str, need: int) -> list[float]:
+        recheck(name, need)
+        return again[name]
+    _depth_check(eng, res, depth, recheck, pool)
+    _estimate_check(eng, res, {name: again[name] or xs for name, xs in full.items()},
+                    {name: [a / b if b > 0 else float("inf") for a, b in zip(est["ref"][name], est["cand"][name])]
+                     for name in full}, recheck_full)
     phases["depth_check"] += time.perf_counter() - t0  # a recheck's rounds
     _plausibility(eng, res, setup)
     res.valid = not res.violations
@@ -569,6 +580,18 @@ def _depth_samples(eng, got: dict, check: set[str]) -> dict[str, float]:
     return out
 
 
+def _full_speedups(eng, got: dict, check: set[str]) -> dict[str, float]:
+    """A round's timings -> the reference's extrapolated step over the candidate's full-depth
+    step, by checked shape: the candidate's speedup at full depth, paired within the round so
+    that the machine's speed of the moment cancels, as it does in the speedup."""
+    k, L = len(eng.fast_layers), len(eng.state.layers)
+    out = {}
+    for name in check & {n for d, n in got["cand"] if d == "L"}:
+        t = got["cand"]["L", name]
+        out[name] = depth_estimate(got["ref"]["0", name], got["ref"]["k", name], k, L) / t if t > 0 else 0.0
+    return out
+
+
 def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str, int],
                   ref_once: set[str] = frozenset(), ref_done: set[str] = frozenset(),
                   full: dict | None = None) -> dict:
@@ -576,8 +599,8 @@ def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str,
     every shape in `need` has that many more check rounds; the reference times a shape of
     `ref_once` (its pool stands for it) at full depth once a call: not at all if it is in
     `ref_done` (timed already), else in the first of these rounds that checks it.
-    {side: {shape: [ratios]}}; each full-depth timing is also added to `full[side][shape]`
-    where given."""
+    {side: {shape: [ratios]}}; each round's full-depth speedup (`_full_speedups`) is also
+    added to `full[shape]` where given."""
     out: dict = {s: {name: [] for name in need} for s in sides}
     r = 0
     while any(len(out["cand"][name]) < n for name, n in need.items()):
@@ -587,8 +610,9 @@ def _depth_rounds(eng, sides: dict, plan: list, odds: dict, rng, need: dict[str,
         for s in sides:
             for name, x in _depth_samples(eng, got[s], check).items():
                 out[s][name].append(x)
-                if full is not None:
-                    full[s][name].append(got[s]["L", name])
+        if full is not None:
+            for name, x in _full_speedups(eng, got, check).items():
+                full[name].append(x)
         r += 1
     return out
 
@@ -632,27 +656,41 @@ def _depth_check(eng, res: MeasureResult, depth: dict, recheck, pool: dict[str, 
                                   f"does not grow with the layers it runs as it should")
 
 
-def _estimate_check(eng, res: MeasureResult, full: dict[str, list[float]], est: dict[str, list[float]]) -> None:
+def _estimate_check(eng, res: MeasureResult, full: dict[str, list[float]], ratios: dict[str, list[float]],
+                    recheck) -> None:
     """The depth check judges each check round's own extrapolation; the speedup rests on the
     median of every round's. A pass that is honest only for a while after a full-depth step
     (tests/cheaters/depth_counter.py) pads the rounds that follow no check round, and its
-    check rounds look honest whenever a check round came just before them. So the candidate's
-    full-depth time (the median of its check rounds' timings) over the median estimate the
-    speedup used must also stay within the slack of the reference's full depth over its
-    extrapolation (the depth check's ratio; a shape it rechecked is judged on the recheck's
-    full-depth timings, as the depth check is). full, est: the candidate's, by shape name."""
+    check rounds look honest whenever a check round came just before them. So the shape's
+    speedup (the median of its rounds' ratios) over its speedup at full depth (the median of
+    its check rounds' `_full_speedups`) must also stay within the slack of the reference's
+    full depth over its extrapolation (the depth check's ratio). Both are paired within
+    rounds, so a machine that speeds up or slows down during the call moves neither. As in
+    the depth check, a shape outside the slack is judged again on twice as many check rounds
+    (`recheck(shape, rounds)` -> their full-depth speedups), so that a few noisy check rounds
+    do not fail a correct pass; padding shows in those as in the first (their full depth is
+    honest, the speedup is not). A shape the depth check rechecked comes with its recheck's
+    rounds and is judged on those alone. full, ratios: by shape name."""
     kind = "cuda" if eng.cuda else "cpu"
-    for name, times in full.items():
+    for name, xs in full.items():
         check = res.config.get("depth_check", {}).get(name)
-        if not times or check is None:
+        if not xs or check is None:
             continue
-        e = statistics.median(est[name])
-        got = statistics.median(times) / e if e > 0 else float("inf")
+        speedup = statistics.median(ratios[name])
+
+        def judged(at_full: list[float]) -> float:
+            m = statistics.median(at_full)
+            return speedup / m if m > 0 else float("inf")
+        got = judged(xs)
+        check["estimate_rechecked"] = got > DEPTH_SLACK[kind] * check["ref"] and not check["rechecked"]
+        if check["estimate_rechecked"]:
+            check["first_cand_over_estimate"] = round(got, 3)
+            got = judged(recheck(name, 2 * len(xs)))
         check["cand_over_estimate"] = round(got, 3)
         if got > DEPTH_SLACK[kind] * check["ref"]:
-            res.violations.append(f"{name}: its full-depth steps take {got:.2f}x the median estimate the speedup "
-                                  f"rests on (reference {check['ref']:.2f}x): its rounds are faster than its "
-                                  f"full depth is")
+            res.violations.append(f"{name}: its speedup is {got:.2f}x its speedup at full depth, the median "
+                                  f"estimate it rests on (reference's full depth over its extrapolation "
+                                  f"{check['ref']:.2f}x): its rounds are faster than its full depth is")
 
 
 def pool_reference_depth(setup: FastSetup, res: MeasureResult) -> None:
