@@ -636,6 +636,9 @@ def test_depth_check_bench_reports_each_setting(tmp_path):
         assert len(s["copies_relative"]) == 2 and s["padders"] == 1, s
         assert s["padders_caught"] == 1 and min(s["padders_relative"]) > res["slack"], s
         assert 0 < s["depth_check_s_p50"] < s["fast_s_p50"], s
+        # the estimate check's ratio for each run, and the slow honest copy measured beside them
+        assert len(s["copies_estimate"]) == 2 and len(s["files"]["slow3"]["estimate"]) == 2, s
+        assert all(x > 0 for x in s["copies_estimate"] + s["padders_estimate"]), s
 
 
 def test_cheater_trace_logs_what_the_cheater_sees(tmp_path):
