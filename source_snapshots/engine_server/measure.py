@@ -9,7 +9,8 @@ every shape is timed at full depth and nothing below applies) and on no layers; 
 time is extrapolated from the two (per-forward work once, per-layer work L times), and a
 depth check times the batch-1 shape at full depth too, in rounds drawn at random, just
 after its fast-layer and no-layer timings: full depth over its extrapolation must match
-the reference's (whose ratios are pooled across calls that pass, DEPTH_POOL). The prefill
+the reference's (whose ratios are pooled across calls that pass, DEPTH_POOL), and so must
+the shape's speedup over its speedup at full depth in those rounds (`_estimate_check`). The prefill
 is extrapolated and depth-checked as the decode shapes are (`fast_prefill="layers"`, the
 default), or timed at full depth (one eager pass, "full").
 The shapes are weighted by how many ops of their kind the full tier's schedule holds, and a
