@@ -87,6 +87,7 @@ class Engine:
         self.weight_guard = WeightGuard(weights | self.state.tables)  # tables are weights too
         self.state_guard = StateGuard(self.state)
         self.process_guard = ProcessGuard()
+        self.sweep_guards = self.process_guard.sweep  # bound now: between rounds and replays (measure, exact)
         self.introspection_guard = IntrospectionGuard()
         self._checks = (self.state_guard.check, self.weight_guard.check, self.process_guard.check,
                         self.introspection_guard.check)

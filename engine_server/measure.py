@@ -567,6 +567,8 @@ def _timed_round(eng, sides: dict, plan: list, r: int, check: set[str], phases: 
             if phases is not None:
                 phases["rounds_prefill" if sh.prefill else "rounds_decode"] += t1 - t0
                 phases["depth_check"] += time.perf_counter() - t1
+        if side == "cand":  # what its turn left patched must not reach the reference's next one
+            eng.sweep_guards()
     return out
 
 
@@ -881,12 +883,14 @@ def full(eng, cand) -> MeasureResult:
     runs = {"ref": [], "cand": []}
     toks = {}
     _replay(eng, cand, sched)  # the candidate's warm-up (the reference's was the schedule pass)
+    eng.sweep_guards()
     for r in range(cfg.full_reps):
         for side in (("cand", "ref") if r % 2 == 0 else ("ref", "cand")):
             secs, t = _replay(eng, cand if side == "cand" else ref, sched,
                               top=min(NEAR_TIE_K, eng.model.vocab_size) if r == 0 else 1)
             runs[side].append(secs)
             toks.setdefault(side, t)
+            eng.sweep_guards()
     n = len(sched.ops)
     med = {s: [statistics.median(run[k] for run in runs[s]) for k in range(n)] for s in runs}
     res = MeasureResult(candidate_id=cand.id, tier="full", ok=True, samples=cfg.full_reps,

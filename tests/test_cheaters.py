@@ -17,6 +17,7 @@ EXPECT = {  # a word the violation or error must contain: it names what the chea
     "batch1_shortcut": "batch-1 decode",
     "table_swapper": "inspected the engine's process: gc.get_objects",
     "frame_walker": "inspected the engine's process: sys._getframe",
+    "function_patch": "torch.nn.functional.linear was replaced",
 }
 
 
@@ -42,3 +43,65 @@ def test_cheater_is_caught(llama_engine, name):
     # the engine is intact afterwards: the reference copy is still exact and valid
     ok, text, ex, fm = verdict(llama_engine, reference_source(llama_engine))
     assert ok, text
+
+
+def test_process_guard_puts_back_what_a_pass_changed_for_good():
+    """Replaced and added names in the namespaces the reference runs on, and torch settings
+    left changed, are reported and put back; a submodule imported since (torch._dynamo and
+    the like) and torch.manual_seed, which torch._dynamo rewraps on import, are not."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    import engine_server.models.common as common
+    from engine_server.guards import ProcessGuard
+    guard = ProcessGuard()
+    silu, seed, bf16 = F.silu, torch.manual_seed, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    threads = torch.get_num_threads()
+    try:
+        F.silu = lambda x: silu(x)
+        common.len = lambda x: 0  # shadows the builtin for the model code
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not bf16
+        torch.set_num_threads(threads + 1)
+        torch.fresh_submodule = types.ModuleType("torch.fresh_submodule")
+        torch.manual_seed = lambda s: seed(s)
+        guard.sweep()
+        out = guard.check()
+        assert F.silu is silu and not hasattr(common, "len"), out
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == bf16 and \
+            torch.get_num_threads() == threads, out
+        assert "tampered with the engine: torch.nn.functional.silu was replaced" in out, out
+        assert "tampered with the engine: engine_server.models.common.len was added" in out, out
+        assert any("allow_bf16_reduced_precision_reduction" in v for v in out), out
+        assert any("torch.get_num_threads" in v for v in out), out
+        assert not any("fresh_submodule" in v or "manual_seed" in v for v in out), out
+        assert len(out) == 4 and guard.check() == [], out  # each reported once, and nothing left
+    finally:
+        F.silu, torch.manual_seed = silu, seed
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
+        torch.set_num_threads(threads)
+        vars(common).pop("len", None)
+        vars(torch).pop("fresh_submodule", None)
+
+
+def test_guards_are_swept_between_rounds_replays_and_sides(llama_engine):
+    """A pass that puts things back before a call ends is still seen: the process guard is
+    swept after each of the fast tier's candidate turns, after each full-tier replay and after
+    the candidate's side of the exactness check."""
+    eng = llama_engine
+    r = eng.submit_forward_pass(reference_source(eng))
+    swept, sweep = [], eng.sweep_guards
+    eng.sweep_guards = lambda: (swept.append(1), sweep())
+    try:
+        fm = eng.measure_fast(r.candidate_id)
+        rounds = fm.config["stopped"]["rounds"] + eng.config.warmup_rounds
+        assert fm.valid and len(swept) >= rounds, (len(swept), rounds)
+        swept.clear()
+        full = eng.measure_full(r.candidate_id)
+        assert full.valid and len(swept) == 1 + 2 * eng.config.full_reps, len(swept)
+        swept.clear()
+        ex = eng.check_bit_exact(r.candidate_id)
+        assert ex.exact and len(swept) >= 1, len(swept)
+    finally:
+        eng.sweep_guards = sweep

@@ -199,6 +199,7 @@ def check(eng, cand, mode: str = "bitwise", factor: float = 2.0, floor: float = 
     noise = _noise(eng, seed=1234)
 
     c_pre, c_dec, c_stream, c_solo, c_kv, c_viol = _side(eng, cand, noise, prompts, cfg.exact_steps)
+    eng.sweep_guards()  # a setting or function the pass left changed must not reach the reference's side
     r_pre, r_dec, r_stream, r_solo, r_kv, _ = _side(eng, ref, noise, prompts, cfg.exact_steps)
     res.violations += c_viol
     w_pre, w_dec, wide = [None] * len(r_pre), [None] * len(r_dec), None
@@ -232,6 +233,7 @@ def check(eng, cand, mode: str = "bitwise", factor: float = 2.0, floor: float = 
             st = eng.candidate_state(c, layers)
             b = prefill_batch(torch.tensor([prompts[0]], device=eng.device), torch.tensor([0], device=eng.device))
             sub[name] = output(eng, call(lambda: c.forward(st, b)), b).detach().clone()
+            eng.sweep_guards()
         if not torch.equal(sub["ref"], sub["cand"]):
             # a violation when everything else matched, or (tolerance) when this is what is not close
             first, was_close = res.first_mismatch is None, diff.close

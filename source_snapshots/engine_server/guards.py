@@ -23,6 +23,7 @@ What is caught, and where (tests/cheaters/ holds one candidate of each kind):
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import time
@@ -175,8 +176,66 @@ def settled(run: Callable[[], torch.Tensor], wait_s: float = 0.05) -> tuple[torc
     return first, []
 
 
+def _attr(obj, name: str) -> tuple[Callable, Callable]:
+    return (lambda: getattr(obj, name)), (lambda v: setattr(obj, name, v))
+
+
+def _settings() -> dict[str, tuple[Callable, Callable]]:
+    """torch's process-wide settings that change what the reference computes or how fast it
+    runs (TF32 or reduced-precision reductions, SDPA's kernels, cuDNN's autotuner, threads,
+    the default dtype): name -> (get, set). A pass may change one inside its own call; one it
+    leaves changed changes the reference's side too."""
+    b = torch.backends
+    out = {f"torch.backends.cuda.matmul.{n}": _attr(b.cuda.matmul, n)
+           for n in ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")}
+    out |= {f"torch.backends.cudnn.{n}": _attr(b.cudnn, n) for n in ("enabled", "allow_tf32", "benchmark", "deterministic")}
+    out["torch.backends.mkldnn.enabled"] = _attr(b.mkldnn, "enabled")
+    for n in ("flash", "mem_efficient", "math", "cudnn"):
+        if hasattr(b.cuda, f"{n}_sdp_enabled"):
+            out[f"torch.backends.cuda.{n}_sdp_enabled"] = (getattr(b.cuda, f"{n}_sdp_enabled"),
+                                                           getattr(b.cuda, f"enable_{n}_sdp"))
+    out |= {"torch.get_float32_matmul_precision": (torch.get_float32_matmul_precision,
+                                                   torch.set_float32_matmul_precision),
+            "torch.are_deterministic_algorithms_enabled": (torch.are_deterministic_algorithms_enabled,
+                                                           torch.use_deterministic_algorithms),
+            "torch.get_num_threads": (torch.get_num_threads, torch.set_num_threads),
+            "torch.get_default_dtype": (torch.get_default_dtype, torch.set_default_dtype)}
+    return out
+
+
+def _namespaces() -> list[tuple[str, object]]:
+    """What the reference's forward passes look up as they run: torch's functions and tensor
+    methods, and the engine's model code and state. A pass that binds the original and then
+    replaces a name here (a slowed `F.linear`, a `len` shadowed in a model module) slows or
+    changes the reference's side and not its own."""
+    import importlib
+    import pkgutil
+
+    import torch.nn.functional as F
+
+    import engine_server.models as models
+    import engine_server.state as state
+    out = [("torch", torch), ("torch.nn.functional", F), ("torch.linalg", torch.linalg),
+           ("torch.special", torch.special), ("torch.Tensor", torch.Tensor),
+           ("torch._C.TensorBase", torch._C.TensorBase), ("engine_server.state", state)]
+    for m in pkgutil.iter_modules(models.__path__):
+        out.append((f"engine_server.models.{m.name}", importlib.import_module(f"engine_server.models.{m.name}")))
+    return out
+
+
+# names a library may rebind on import, which no forward pass calls: torch._dynamo wraps
+# torch.manual_seed when it loads (a candidate or a baseline that calls torch.compile)
+REBOUND_ON_IMPORT = frozenset({("torch", "manual_seed")})
+_SKIP = frozenset({"__dict__", "__weakref__", "__doc__"})
+
+
 class ProcessGuard:
-    """Snapshot of the process entry points that measurement and checks rely on."""
+    """Snapshot of the process entry points that measurement and checks rely on, of every name
+    the reference's forward passes look up (`_namespaces`) and of torch's process-wide
+    settings (`_settings`). `sweep` (cheap: two tuple comparisons a namespace while nothing
+    changed) runs between the fast tier's rounds and the full tier's replays, so a pass that
+    puts things back before a call ends is still seen; `check` runs after every call. Each
+    puts back what it found changed and reports it."""
 
     def __init__(self, extra: list[tuple[object, str]] | None = None):
         import builtins
@@ -193,13 +252,59 @@ class ProcessGuard:
                    (torch, "equal"), (torch.Tensor, "clone"), (torch.Tensor, "copy_"), (torch, "allclose"),
                    (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
                    (builtins, "compile"), (gc, "collect"), (json, "dumps"),
-                   (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check"),
+                   (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check"), (ProcessGuard, "sweep"),
                    (IntrospectionGuard, "check"), (sys.modules[__name__], "_audit_hook")]
         # the engine's own methods and what measures and checks (the worker answers with them)
         for mod in (exact, measure, candidate, Engine):
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
         targets += list(extra or [])
         self.saved = [(obj, name, getattr(obj, name)) for obj, name in targets if hasattr(obj, name)]
+        self.spaces = [(label, obj, {k: v for k, v in vars(obj).items()
+                                     if k not in _SKIP and (label.split(".")[0] != "torch" or not k.startswith("__"))
+                                     and (label, k) not in REBOUND_ON_IMPORT})
+                       for label, obj in _namespaces()]
+        self._fast = [self._key(obj) for _, obj, _ in self.spaces]
+        self.settings = _settings()
+        self.settings_saved = {n: get() for n, (get, _) in self.settings.items()}
+        self.found: list[str] = []  # what sweeps found since the last check
+
+    @staticmethod
+    def _key(obj) -> tuple[tuple, tuple]:
+        """A namespace's names and values as they are now (held, so no id is reused)."""
+        d = vars(obj)
+        return tuple(d), tuple(d.values())
+
+    @staticmethod
+    def _same(obj, key: tuple[tuple, tuple]) -> bool:
+        """Whether `obj`'s namespace holds the very names and objects of `key`: by identity,
+        which a replacement cannot fake as it can equality."""
+        d, (names, values) = vars(obj), key
+        return len(d) == len(names) and all(map(operator.is_, d.values(), values)) and all(map(operator.is_, d, names))
+
+    def sweep(self) -> None:
+        """Put back any watched name or setting changed since the last look, remembering what
+        was found for the next `check`."""
+        for n, (get, put) in self.settings.items():
+            if (now := get()) != (was := self.settings_saved[n]):
+                self.found.append(f"changed a torch setting for good: {n} {was} -> {now} (put back)")
+                put(was)
+        for i, (label, obj, saved) in enumerate(self.spaces):
+            if self._same(obj, self._fast[i]):
+                continue
+            d = vars(obj)
+            for k, v in saved.items():
+                if d.get(k, _SKIP) is not v:
+                    self.found.append(f"tampered with the engine: {label}.{k} was replaced")
+                    _put(obj, k, v)
+            for k in [k for k in d if k not in saved and k not in _SKIP]:
+                if label.split(".")[0] == "torch" and (k.startswith("__") or (label, k) in REBOUND_ON_IMPORT):
+                    continue
+                if isinstance(d[k], type(sys)):  # a submodule imported since: it joins the snapshot
+                    saved[k] = d[k]
+                    continue
+                self.found.append(f"tampered with the engine: {label}.{k} was added")
+                _put(obj, k, None, remove=True)
+            self._fast[i] = self._key(obj)
 
     def check(self) -> list[str]:
         out = []
@@ -208,4 +313,19 @@ class ProcessGuard:
                 owner = getattr(obj, "__name__", type(obj).__name__)
                 out.append(f"tampered with the engine: {owner}.{name} was replaced")
                 setattr(obj, name, orig)
-        return out
+        ProcessGuard.sweep(self)
+        out += self.found
+        self.found = []
+        return list(dict.fromkeys(out))
+
+
+def _put(obj, name: str, value, remove: bool = False) -> None:
+    """Set (or remove) a watched name on a module or class; a C type may refuse (nothing a
+    candidate could have set there, then)."""
+    try:
+        if remove:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+    except (AttributeError, TypeError):
+        pass
