@@ -692,6 +692,12 @@ def main() -> int:
         log(f"{b.name}: {b.tok_s} tok/s, compile {b.compile_s} s, peak {gb(b.peak_bytes)} GB "
             f"{'; '.join(b.notes)} {b.error or ''}")
     res["baselines"] = bases
+    # they ran in this process: what they left changed among what the engine's process guard
+    # watches (torch's settings, the names the reference looks up) is put back and noted here,
+    # not charged to the first candidate measured after them
+    res["baselines_left_changed"] = eng.process_guard.check()
+    if res["baselines_left_changed"]:
+        log(f"the baselines left changed (put back): {res['baselines_left_changed']}")
     checkpoint()
 
     # 3. the hill-climb, through the engine's tools

@@ -158,6 +158,7 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert "nope" in rows["broken"]["error"] and "helper" not in rows
     assert res["not_candidates"] == [str(tmp_path / "helper.py")]
     assert res["reference"]["tok_s"] > 0 and res["baselines"]["compile"]["ok"]
+    assert res["baselines_left_changed"] == []  # nothing of the engine's watched process to put back
     assert {r["name"] for r in res["table"]} >= {"engine reference", "copy", "knobbed", "broken"}
     assert (tmp_path / "win" / "copy.py").read_text() == ref and (tmp_path / "win" / "results.json").exists()
     assert not (tmp_path / "win" / "broken.py").exists()
