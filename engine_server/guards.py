@@ -15,8 +15,11 @@ What is caught, and where (tests/cheaters/ holds one candidate of each kind):
 - work left unsynchronised on a side stream or thread: `settled()` reads the output in
   stream order as `forward` returns and again after a full device sync and after joining
   the threads the call started;
-- patching the engine (timers, checks, torch entry points, the engine's own methods):
-  `ProcessGuard` snapshots them at start and restores and reports any that changed;
+- patching the engine (timers, checks, torch entry points, the engine's own methods), or
+  what the reference runs on (every name it looks up in torch and the model modules, torch's
+  process-wide settings), or leaving a thread running candidate code between its calls:
+  `ProcessGuard` snapshots them at start, sweeps between turns, and restores (stops) and
+  reports any that changed;
 - reaching into the engine's frames and objects (frames, gc's object lists, tracing, ctypes)
   from candidate code: `IntrospectionGuard`, an audit hook that refuses the call and reports it.
 """
@@ -232,10 +235,12 @@ _SKIP = frozenset({"__dict__", "__weakref__", "__doc__"})
 class ProcessGuard:
     """Snapshot of the process entry points that measurement and checks rely on, of every name
     the reference's forward passes look up (`_namespaces`) and of torch's process-wide
-    settings (`_settings`). `sweep` (cheap: two tuple comparisons a namespace while nothing
-    changed) runs between the fast tier's rounds and the full tier's replays, so a pass that
-    puts things back before a call ends is still seen; `check` runs after every call. Each
-    puts back what it found changed and reports it."""
+    settings (`_settings`), and of threads running a candidate's code between its calls
+    (`stray_threads`). `sweep` (cheap: an identity comparison a name while nothing changed)
+    runs after the fast tier's candidate turns, the full tier's replays and the candidate's
+    side of the exactness check, so a pass that puts things back before a call ends is still
+    seen; `check` runs after every call. Each puts back what it found changed (a stray thread:
+    stops it) and reports it."""
 
     def __init__(self, extra: list[tuple[object, str]] | None = None):
         import builtins
@@ -253,7 +258,8 @@ class ProcessGuard:
                    (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
                    (builtins, "compile"), (gc, "collect"), (json, "dumps"),
                    (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check"), (ProcessGuard, "sweep"),
-                   (IntrospectionGuard, "check"), (sys.modules[__name__], "_audit_hook")]
+                   (IntrospectionGuard, "check"), (sys.modules[__name__], "_audit_hook"),
+                   (sys.modules[__name__], "stray_threads")]
         # the engine's own methods and what measures and checks (the worker answers with them)
         for mod in (exact, measure, candidate, Engine):
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
@@ -305,6 +311,7 @@ class ProcessGuard:
                 self.found.append(f"tampered with the engine: {label}.{k} was added")
                 _put(obj, k, None, remove=True)
             self._fast[i] = self._key(obj)
+        self.found += stray_threads()
 
     def check(self) -> list[str]:
         out = []
@@ -317,6 +324,46 @@ class ProcessGuard:
         out += self.found
         self.found = []
         return list(dict.fromkeys(out))
+
+
+def _running_candidate_code(me: int) -> dict[int, object]:
+    """Thread id -> the innermost frame of a candidate's code on its stack, for every thread
+    but `me` that has one."""
+    out = {}
+    for ident, f in sys._current_frames().items():
+        while f is not None and not f.f_code.co_filename.startswith("<candidate "):
+            f = f.f_back
+        if ident != me and f is not None:
+            out[ident] = f
+    return out
+
+
+def stray_threads(grace_s: float = 0.05) -> list[str]:
+    """Threads other than the caller's that are running a candidate's code (a frame of it
+    anywhere on their stack) while no call of it is: one started at import or left behind by
+    a call can compete with the reference's turn for the interpreter (a spinning thread held
+    the GIL against the reference and made it look 200x slower) or change what it reads. A
+    thread that ends within `grace_s` (work a call handed off and that lands: `settled` judges
+    that) is not reported; each one still running is stopped (SystemExit raised in it, at its
+    next Python instruction) and reported."""
+    import ctypes
+
+    me = threading.get_ident()
+    found = _running_candidate_code(me)
+    if not found:
+        return []
+    until = time.perf_counter() + grace_s
+    for t in threading.enumerate():
+        if t.ident in found:
+            t.join(max(0.0, until - time.perf_counter()))
+    time.sleep(max(0.0, until - time.perf_counter()))  # threads not started through `threading`
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, f in _running_candidate_code(me).items():
+        where = f"{f.f_code.co_filename[1:-1]} line {f.f_lineno}"
+        out.append(f"left a thread running its code: {names.get(ident, ident)} at {where} (stopped)")
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(SystemExit))
+    return out
 
 
 def _put(obj, name: str, value, remove: bool = False) -> None:

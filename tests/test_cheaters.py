@@ -18,6 +18,7 @@ EXPECT = {  # a word the violation or error must contain: it names what the chea
     "table_swapper": "inspected the engine's process: gc.get_objects",
     "frame_walker": "inspected the engine's process: sys._getframe",
     "function_patch": "torch.nn.functional.linear was replaced",
+    "gil_hog": "left a thread running its code",
 }
 
 
