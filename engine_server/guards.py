@@ -211,6 +211,7 @@ def _namespaces() -> list[tuple[str, object]]:
     methods, and the engine's model code and state. A pass that binds the original and then
     replaces a name here (a slowed `F.linear`, a `len` shadowed in a model module) slows or
     changes the reference's side and not its own."""
+    import builtins
     import importlib
     import pkgutil
 
@@ -218,7 +219,7 @@ def _namespaces() -> list[tuple[str, object]]:
 
     import engine_server.models as models
     import engine_server.state as state
-    out = [("torch", torch), ("torch.nn.functional", F), ("torch.linalg", torch.linalg),
+    out = [("builtins", builtins), ("torch", torch), ("torch.nn.functional", F), ("torch.linalg", torch.linalg),
            ("torch.special", torch.special), ("torch.Tensor", torch.Tensor),
            ("torch._C.TensorBase", torch._C.TensorBase), ("engine_server.state", state)]
     for m in pkgutil.iter_modules(models.__path__):
@@ -230,6 +231,12 @@ def _namespaces() -> list[tuple[str, object]]:
 # torch.manual_seed when it loads (a candidate or a baseline that calls torch.compile)
 REBOUND_ON_IMPORT = frozenset({("torch", "manual_seed")})
 _SKIP = frozenset({"__dict__", "__weakref__", "__doc__"})
+
+
+def _library(label: str) -> bool:
+    """A library's namespace (torch's, builtins): its dunders are its own business, and a
+    name added to builtins shadows nothing (a module's globals come first)."""
+    return label == "builtins" or label.split(".")[0] == "torch"
 
 
 class ProcessGuard:
@@ -266,7 +273,7 @@ class ProcessGuard:
         targets += list(extra or [])
         self.saved = [(obj, name, getattr(obj, name)) for obj, name in targets if hasattr(obj, name)]
         self.spaces = [(label, obj, {k: v for k, v in vars(obj).items()
-                                     if k not in _SKIP and (label.split(".")[0] != "torch" or not k.startswith("__"))
+                                     if k not in _SKIP and not (_library(label) and k.startswith("__"))
                                      and (label, k) not in REBOUND_ON_IMPORT})
                        for label, obj in _namespaces()]
         self._fast = [self._key(obj) for _, obj, _ in self.spaces]
@@ -303,7 +310,7 @@ class ProcessGuard:
                     self.found.append(f"tampered with the engine: {label}.{k} was replaced")
                     _put(obj, k, v)
             for k in [k for k in d if k not in saved and k not in _SKIP]:
-                if label.split(".")[0] == "torch" and (k.startswith("__") or (label, k) in REBOUND_ON_IMPORT):
+                if label == "builtins" or (_library(label) and k.startswith("__")) or (label, k) in REBOUND_ON_IMPORT:
                     continue
                 if isinstance(d[k], type(sys)):  # a submodule imported since: it joins the snapshot
                     saved[k] = d[k]

@@ -47,9 +47,11 @@ def test_cheater_is_caught(llama_engine, name):
 
 
 def test_process_guard_puts_back_what_a_pass_changed_for_good():
-    """Replaced and added names in the namespaces the reference runs on, and torch settings
-    left changed, are reported and put back; a submodule imported since (torch._dynamo and
-    the like) and torch.manual_seed, which torch._dynamo rewraps on import, are not."""
+    """Replaced and added names in the namespaces the reference runs on (builtins: replaced
+    only), and torch settings left changed, are reported and put back; a submodule imported
+    since (torch._dynamo and the like) and torch.manual_seed, which torch._dynamo rewraps on
+    import, are not."""
+    import builtins
     import types
 
     import torch
@@ -59,27 +61,31 @@ def test_process_guard_puts_back_what_a_pass_changed_for_good():
     from engine_server.guards import ProcessGuard
     guard = ProcessGuard()
     silu, seed, bf16 = F.silu, torch.manual_seed, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    threads = torch.get_num_threads()
+    threads, real_range = torch.get_num_threads(), builtins.range
     try:
         F.silu = lambda x: silu(x)
         common.len = lambda x: 0  # shadows the builtin for the model code
+        builtins.range = lambda *a: real_range(*a)  # every caller's, the reference's too
+        builtins.fresh_name = 1  # shadows nothing: a module's globals come first
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not bf16
         torch.set_num_threads(threads + 1)
         torch.fresh_submodule = types.ModuleType("torch.fresh_submodule")
         torch.manual_seed = lambda s: seed(s)
         guard.sweep()
         out = guard.check()
-        assert F.silu is silu and not hasattr(common, "len"), out
+        assert F.silu is silu and not hasattr(common, "len") and builtins.range is real_range, out
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == bf16 and \
             torch.get_num_threads() == threads, out
         assert "tampered with the engine: torch.nn.functional.silu was replaced" in out, out
         assert "tampered with the engine: engine_server.models.common.len was added" in out, out
+        assert "tampered with the engine: builtins.range was replaced" in out, out
         assert any("allow_bf16_reduced_precision_reduction" in v for v in out), out
         assert any("torch.get_num_threads" in v for v in out), out
-        assert not any("fresh_submodule" in v or "manual_seed" in v for v in out), out
-        assert len(out) == 4 and guard.check() == [], out  # each reported once, and nothing left
+        assert not any("fresh_submodule" in v or "manual_seed" in v or "fresh_name" in v for v in out), out
+        assert len(out) == 5 and guard.check() == [], out  # each reported once, and nothing left
     finally:
-        F.silu, torch.manual_seed = silu, seed
+        F.silu, torch.manual_seed, builtins.range = silu, seed, real_range
+        vars(builtins).pop("fresh_name", None)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
         torch.set_num_threads(threads)
         vars(common).pop("len", None)
