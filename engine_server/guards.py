@@ -261,12 +261,12 @@ class ProcessGuard:
         from engine_server.engine import Engine
 
         targets = [(time, "perf_counter"), (time, "perf_counter_ns"), (time, "monotonic"), (time, "sleep"),
-                   (torch, "equal"), (torch.Tensor, "clone"), (torch.Tensor, "copy_"), (torch, "allclose"),
                    (torch.cuda, "synchronize"), (torch.cuda, "Event"), (torch.cuda.CUDAGraph, "replay"),
                    (builtins, "compile"), (gc, "collect"), (json, "dumps"),
                    (WeightGuard, "check"), (StateGuard, "check"), (ProcessGuard, "check"), (ProcessGuard, "sweep"),
                    (IntrospectionGuard, "check"), (sys.modules[__name__], "_audit_hook"),
                    (sys.modules[__name__], "stray_threads")]
+        # (torch's own names, torch.equal and Tensor.clone among them, are in `_namespaces`)
         # the engine's own methods and what measures and checks (the worker answers with them)
         for mod in (exact, measure, candidate, Engine):
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
