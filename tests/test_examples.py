@@ -10,7 +10,8 @@
    cell untouched, the weights untouched; for B in {1, 3} rows of different context lengths,
    a subset of the layers and zero layers, and knob variants that reach every kernel branch
    (sequence splits with an empty split, online and exact softmax, split-K with a ragged
-   last split, tl.dot and FMA GEMV paths, the FMA path reduced at every step, the ladder's
+   last split, tl.dot and FMA GEMV paths, the FMA path reduced at every step, K loops
+   software-pipelined by Triton (LOOP_STAGES), the ladder's
    stages, weights and the first K/V block loaded before the PDL wait).
 """
 from __future__ import annotations
@@ -243,10 +244,23 @@ BF16_CASES = [
     {"rows": 1, "layers": [0, 3], "boost": 1000.0,
      "knobs": FOLD | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}, "combine": IN_O}},
     {"rows": 1, "layers": [0, 3], "boost": 1000.0, "knobs": FOLD | {"attn": SPLITS | ONLINE | {"FUSE_ROPE": True}}},
+    # the K loops software-pipelined by Triton (LOOP_STAGES): folded, after PRE, ragged splits,
+    # a step ahead too, beside the same case without it; and on the tl.dot path
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16, "LOOP_STAGES": 3},
+                                                   "o": {"SPLIT_K": 2, "BLOCK_K": 32, "PRE": 1, "LOOP_STAGES": 2},
+                                                   "gate_up": {"BLOCK_K": 32, "REDUCE_EACH": True, "LOOP_STAGES": 4},
+                                                   "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2, "LOOP_STAGES": 3}
+                                                   | PIPE, "lm_head": {"BLOCK_K": 64, "LOOP_STAGES": 3}}},
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"qkv": {"SPLIT_K": 3, "BLOCK_K": 16},
+                                                   "o": {"SPLIT_K": 2, "BLOCK_K": 32, "PRE": 1},
+                                                   "gate_up": {"BLOCK_K": 32, "REDUCE_EACH": True},
+                                                   "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2} | PIPE,
+                                                   "lm_head": {"BLOCK_K": 64}}},
+    {"rows": 2, "layers": [1, 3], "knobs": {"qkv": {"LOOP_STAGES": 3}, "down": {"SPLIT_K": 3, "LOOP_STAGES": 4}}},
 ]
 # BF16_CASES indices (a knob on, the same case without it): bitwise the same logits and caches
 TWINS = [(32, 33, ("qkv", "ROPE")), (34, 35, ("qkv", "ROPE")), (36, 37, ("qkv", "ROPE")), (39, 40, ("qkv", "SMEM")),
-         (41, 42, ("o_gate_up", "FUSED")), (45, 46, ("combine", "IN_O"))]
+         (41, 42, ("o_gate_up", "FUSED")), (45, 46, ("combine", "IN_O")), (47, 48, ("down", "LOOP_STAGES"))]
 FP32_CASES = [BF16_CASES[i] for i in (1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 19, 20, 21, 22, 24, 25, 26,
                                        27, 28, 30, 34, 35, 38, 43, 44, 45, 46)]
 FP32_TWINS = [(24, 25, ("qkv", "ROPE")), (29, 30, ("combine", "IN_O"))]

@@ -197,6 +197,10 @@ KNOBS = {
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor.
+    # LOOP_STAGES (optional, 0 off): the K loop software-pipelined that deep by Triton (cp.async
+    # into shared memory, steps in flight without registers holding them). The launch's
+    # num_stages alone leaves the batch-1 (FMA) loop unpipelined: compiled for sm_90, its
+    # loads are plain global loads at any num_stages.
     # qkv's SMEM (batch 1 with the norm folded, on CUDA; Gluon): each program copies its BLOCK_N
     # rows of qkv's weight whole into shared memory before its wait ("async": cp.async, 16 bytes
     # a thread a copy, evict-first with the L2 knob; "tma": bulk tensor copies, one thread
@@ -565,7 +569,7 @@ if HAVE_TRITON:
                      REDUCE_EACH: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PF_STEPS: tl.constexpr, PF_W: tl.constexpr, PRE_K: tl.constexpr,
-                     PIPE: tl.constexpr, EVW: tl.constexpr,
+                     PIPE: tl.constexpr, EVW: tl.constexpr, LOOP_STAGES: tl.constexpr,
                      g_ptr, eps, FOLD: tl.constexpr, SS_ROW: tl.constexpr, BLOCK_D: tl.constexpr,
                      ATOMIC: tl.constexpr, l2_ptr, l2_rows, l2_stride, l2_bytes, L2_AT: tl.constexpr,
                      L2_CH: tl.constexpr, wd_ptr, stride_dj, stride_dn, DOWN: tl.constexpr,
@@ -592,6 +596,9 @@ if HAVE_TRITON:
         PIPE: each K step's loads are issued one step ahead (registers double-buffered), so a
         program has two steps of weight rows in flight while it sums one.
         EVW: the weight loads' L2 eviction policy ("" default, or "evict_first").
+        LOOP_STAGES > 0: the K loop is software-pipelined that deep (tl.range's num_stages):
+        its loads go to shared memory by cp.async, LOOP_STAGES - 1 steps ahead, not through
+        registers (the launch's num_stages alone leaves this loop unpipelined).
         FOLD (B == 1, the FMA path; KNOBS["norm"]["FOLD"]): x is the float32 residual stream and
         the GEMV is of rms_norm(x) * g (norm weight g): each K step's x tile is multiplied by g's
         and its squares summed, and the output scaled by rsqrt(sum / K + eps) at the end (a
@@ -718,7 +725,8 @@ if HAVE_TRITON:
         if PIPE:  # the first K step's tiles (clamped into the split: the loop may have none)
             kc = tl.minimum(k_lo + PRE_K, k_lo + K_SPLIT - BLOCK_K)
             xt_n, wt_n, wu_n = _gemv_tiles(x_rows, w_rows, wu_rows, kc, K, n_mask, b_mask, EVEN_K, SILU, BLOCK_K, EVW)
-        for k0 in range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K):
+        for k0 in tl.range(k_lo + PRE_K, k_lo + K_SPLIT, BLOCK_K,
+                           num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
             if PIPE:  # this step's tiles arrived last step; the next step's are loaded now
                 xt, wt, wu = xt_n, wt_n, wu_n
                 kc = tl.minimum(k0 + BLOCK_K, k_lo + K_SPLIT - BLOCK_K)
@@ -1662,7 +1670,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
                        PDL=_early(pdl, "mlp" if down is not None else knob), PF_STEPS=max(0, pf_steps),
                        PF_W=max(1, bk // _line(w)), PRE_K=pre * bk,
                        PIPE=bool(kn["PIPE"]), EVW="evict_first" if KNOBS["l2"]["WEIGHTS_EVICT_FIRST"] else "",
-                       g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
+                       LOOP_STAGES=int(kn.get("LOOP_STAGES", 0)), g_ptr=g, eps=eps, FOLD=norm is not None, SS_ROW=norm is not None and split > 1,
                        BLOCK_D=_pow2(K) if norm is not None and split > 1 else 1,
                        ATOMIC=into is not None and down is None,
                        **(_l2_whole(pdl, l2_next, kn["num_warps"]) or _l2_prefetch(knob, pdl, w_gu, w, kn["num_warps"])),
