@@ -7,9 +7,10 @@ Records one batch-1 decode step's Triton launches on the CPU (intercepted, not r
 model's first layer and lm_head, random weights; programmatic dependent launch on, as on an
 H200), compiles each distinct launch for sm_90 with the specialisation the JIT would give it
 (16-byte-divisible pointers and integers marked so), and prints for each: its grid and
-programs, warps, registers a thread, stack bytes (spills), shared memory, how many of its
-programs one multiprocessor holds (by registers: 65,536, allocated per warp in 256s; by
-warps: 64) and the share of the GPU's register file (--sms multiprocessors) its whole grid
+programs, warps, registers a thread, stack bytes (spills), shared memory a program (the
+cubin's static and the launch's dynamic), how many of its programs one multiprocessor holds
+(by registers: 65,536, allocated per warp in 256s; by warps: 64; by shared memory: 228 KB,
+1 KB of it reserved a program) and the share of the GPU's register file (--sms multiprocessors) its whole grid
 needs: above 1 the grid cannot all be resident at once, and whatever share a kernel holds is
 what the kernel launched early beside it (PDL) cannot. `--set` overrides KNOBS as the
 variants runs do (`forward_bench.override_knobs`: nested dicts merged key by key). The
@@ -39,6 +40,8 @@ from engine_server.state import State, decode_batch, new_cache  # noqa: E402
 from engine_server.weights import init_weights  # noqa: E402
 
 REGS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
+# sm_90: shared memory a multiprocessor has for its programs, and what the system reserves a program
+SMEM_PER_SM, SMEM_RESERVED = 233472, 1024
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
          torch.int32: "*i32"}
 
@@ -69,11 +72,13 @@ def warp_registers(regs: int) -> int:
     return -(-regs * 32 // 256) * 256
 
 
-def residency(regs: int, warps: int) -> tuple[int, int, int]:
-    """Programs of a kernel (`regs` registers a thread, `warps` warps) one multiprocessor holds:
-    (by registers, by warps, and what both and the 32-block limit allow)."""
+def residency(regs: int, warps: int, shared: int = 0) -> tuple[int, int, int, int]:
+    """Programs of a kernel (`regs` registers a thread, `warps` warps, `shared` bytes of shared
+    memory a program) one multiprocessor holds: (by registers, by warps, by shared memory, and
+    what all three and the 32-block limit allow)."""
     by_regs, by_warps = REGS_PER_SM // (warp_registers(regs) * warps), WARPS_PER_SM // warps
-    return by_regs, by_warps, min(by_regs, by_warps, BLOCKS_PER_SM)
+    by_shared = SMEM_PER_SM // (shared + SMEM_RESERVED)
+    return by_regs, by_warps, by_shared, min(by_regs, by_warps, by_shared, BLOCKS_PER_SM)
 
 
 def specialise(fn, args, kw) -> tuple[dict, dict, dict]:
@@ -161,6 +166,8 @@ def main() -> int:
         name = name_of(fn, args, cfg)
         c = compile_sm90(fn, args, kw)
         u = usage(c.asm["cubin"])
+        u["shared"] += c.metadata.shared  # the launch's dynamic shared memory (Triton's pipelines,
+        # layout conversions), beside the static the cubin declares
         key = (name, c.hash)
         if key in seen:
             continue
@@ -169,10 +176,11 @@ def main() -> int:
         programs = 1
         for g in grid:
             programs *= int(g)
-        by_regs, by_warps, per_sm = residency(u["regs"], warps)
+        by_regs, by_warps, by_shared, per_sm = residency(u["regs"], warps, u["shared"])
         share = programs * warp_registers(u["regs"]) * warps / (a.sms * REGS_PER_SM)
         rows.append({"kernel": name, "grid": list(grid), "programs": programs, "warps": warps, **u,
-                     "per_sm_by_registers": by_regs, "per_sm_by_warps": by_warps, "per_sm": per_sm,
+                     "per_sm_by_registers": by_regs, "per_sm_by_warps": by_warps,
+                     "per_sm_by_shared": by_shared, "per_sm": per_sm,
                      "register_file_share": round(share, 3)})
     import triton
     print(f"== sm_90 resources of {Path(a.candidate).name} ({a.model}{' shrunk' if a.shrink else ''}, batch-1 decode, "

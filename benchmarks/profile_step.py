@@ -115,7 +115,7 @@ def resources(module) -> None:
             for k in cache[0].values():
                 k._init_handles()
                 warps = k.metadata.num_warps
-                by_regs, by_warps, _ = residency(k.n_regs, warps)
+                by_regs, by_warps, by_shared, _ = residency(k.n_regs, warps, k.metadata.shared)
                 shown = {}
                 for c, v in (getattr(getattr(k, "src", None), "constants", None) or {}).items():
                     c = c[0] if isinstance(c, tuple) and c else c  # (index,) keys in some Triton versions
@@ -123,7 +123,8 @@ def resources(module) -> None:
                     if c in SHOWN:
                         shown[c] = v
                 print(f"  {name:<22} regs {k.n_regs:3d} spills {k.n_spills:4d} shared {k.metadata.shared:6d} "
-                      f"warps {warps:2d} per SM: {by_regs} by registers, {by_warps} by warps  {shown}")
+                      f"warps {warps:2d} per SM: {by_regs} by registers, {by_warps} by warps, {by_shared} by shared "
+                      f"memory  {shown}")
 
 
 if __name__ == "__main__":

@@ -694,8 +694,9 @@ def test_round_noise_bench_reports_every_timing_and_estimate(tmp_path):
 
 def test_kernel_resources_reads_each_decode_kernel_compiled_for_sm90():
     """benchmarks/kernel_resources.py on the H200 winner (shrunk preset): every kernel of the
-    step compiled for sm_90 with its registers and residency; a KNOBS override reaches the
-    compile (gate_up on 4 warps instead of 8)."""
+    step compiled for sm_90 with its registers, shared memory (the launch's dynamic share too)
+    and residency; a KNOBS override reaches the compile (gate_up on 4 warps instead of 8; down's
+    K loop pipelined through shared memory)."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -713,9 +714,17 @@ def test_kernel_resources_reads_each_decode_kernel_compiled_for_sm90():
                          "lm_head"}, set(base)
     for r in base.values():
         assert 0 < r["regs"] <= 255 and r["per_sm"] >= 1 and r["register_file_share"] > 0, r
-        assert r["per_sm"] == min(r["per_sm_by_registers"], r["per_sm_by_warps"], 32), r
+        assert r["per_sm"] == min(r["per_sm_by_registers"], r["per_sm_by_warps"], r["per_sm_by_shared"], 32), r
     assert base["gate_up"]["warps"] == 8 and four["gate_up"]["warps"] == 4
     assert four["qkv"] == base["qkv"]
+    # the launch's dynamic shared memory counts: the attention's K/V tiles, a pipelined K loop's stages
+    assert base["_attn_kernel"]["shared"] > 1024 and base["_attn_kernel"]["per_sm_by_shared"] < 233472 // 1024
+    piped = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--shrink", "--set",
+                            '{"down": {"LOOP_STAGES": 3}}', "examples/candidates/llama_triton_decode_h200.py"],
+                           cwd=root, capture_output=True, text=True, timeout=600)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    down = {r["kernel"]: r for r in json.loads(piped.stdout.strip().splitlines()[-1])["kernels"]}["down"]
+    assert down["shared"] > base["down"]["shared"] and down["per_sm_by_shared"] < base["down"]["per_sm_by_shared"]
 
 
 def test_cycle_bench_runs_on_the_cpu_and_records_the_hosts_speed():
