@@ -239,6 +239,12 @@ def _library(label: str) -> bool:
     return label == "builtins" or label.split(".")[0] == "torch"
 
 
+def _watched(label: str, name: str) -> bool:
+    """Whether `name` of the namespace `label` is one the guard snapshots and compares."""
+    return (name not in _SKIP and not (_library(label) and name.startswith("__"))
+            and (label, name) not in REBOUND_ON_IMPORT)
+
+
 class ProcessGuard:
     """Snapshot of the process entry points that measurement and checks rely on, of every name
     the reference's forward passes look up (`_namespaces`) and of torch's process-wide
@@ -272,9 +278,7 @@ class ProcessGuard:
             targets += [(mod, n) for n, v in vars(mod).items() if callable(v) and not n.startswith("__")]
         targets += list(extra or [])
         self.saved = [(obj, name, getattr(obj, name)) for obj, name in targets if hasattr(obj, name)]
-        self.spaces = [(label, obj, {k: v for k, v in vars(obj).items()
-                                     if k not in _SKIP and not (_library(label) and k.startswith("__"))
-                                     and (label, k) not in REBOUND_ON_IMPORT})
+        self.spaces = [(label, obj, {k: v for k, v in vars(obj).items() if _watched(label, k)})
                        for label, obj in _namespaces()]
         self._fast = [self._key(obj) for _, obj, _ in self.spaces]
         self.settings = _settings()
@@ -309,9 +313,7 @@ class ProcessGuard:
                 if d.get(k, _SKIP) is not v:
                     self.found.append(f"tampered with the engine: {label}.{k} was replaced")
                     _put(obj, k, v)
-            for k in [k for k in d if k not in saved and k not in _SKIP]:
-                if label == "builtins" or (_library(label) and k.startswith("__")) or (label, k) in REBOUND_ON_IMPORT:
-                    continue
+            for k in [k for k in d if k not in saved and _watched(label, k) and label != "builtins"]:
                 if isinstance(d[k], type(sys)):  # a submodule imported since: it joins the snapshot
                     saved[k] = d[k]
                     continue
