@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/h200_*: one stage a call, outputs under $OUT.
 #
-#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|sync|depth|fill|tests
+#   bash benchmarks/h200.sh forward|variants|next|attn|fidelity|cycle|fidelity+cycle|memory|engine|greedy|barrier|sync|stream|depth|fill|tests
 #
 # The GPU image has torch, Triton and transformers but not pydantic, structlog, starlette or
 # uvicorn: `bash benchmarks/fetch_wheels.sh` puts their wheels in .whl/ (carry it), and they
@@ -85,6 +85,10 @@ engine)
     ;;
 barrier)  # the cost of one grid barrier of the persistent example
     python3 benchmarks/barrier_bench.py --out "$OUT/barrier.json" 2>&1 | tee "$OUT/barrier.txt"
+    ;;
+stream)  # the decode example's GEMV alone against the memory's read bandwidth, by tiling (SHAPES=)
+    python3 benchmarks/stream_bench.py --shapes "${SHAPES:-lm_head,gate_up,down}" --out "$OUT/stream.json" 2>&1 \
+        | grep -v '^{' | tee "$OUT/stream.txt"
     ;;
 sync)  # what a dependency between two kernels costs: stream order, PDL's wait, a polled counter
     python3 benchmarks/sync_bench.py --out "$OUT/sync.json" 2>&1 | tee "$OUT/sync.txt"
