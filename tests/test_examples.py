@@ -257,6 +257,13 @@ BF16_CASES = [
                                                    "down": {"SPLIT_K": 5, "BLOCK_K": 32, "PRE": 2} | PIPE,
                                                    "lm_head": {"BLOCK_K": 64}}},
     {"rows": 2, "layers": [1, 3], "knobs": {"qkv": {"LOOP_STAGES": 3}, "down": {"SPLIT_K": 3, "LOOP_STAGES": 4}}},
+    # the H200 example's GEMV tiles: down on 8-row tiles on 4 warps reduced at every K step,
+    # gate_up's batch-1 programs on fewer rows than its batched (tl.dot) ones; batch 1 and 2
+    {"rows": 1, "layers": [0, 2], "knobs": FOLD | {"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4,
+                                                            "REDUCE_EACH": True},
+                                                   "gate_up": {"BLOCK_N": 16, "DOT_BLOCK_N": 32}}},
+    {"rows": 2, "layers": [1, 3], "knobs": {"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "REDUCE_EACH": True},
+                                            "gate_up": {"BLOCK_N": 16, "DOT_BLOCK_N": 32}}},
 ]
 # BF16_CASES indices (a knob on, the same case without it): bitwise the same logits and caches
 TWINS = [(32, 33, ("qkv", "ROPE")), (34, 35, ("qkv", "ROPE")), (36, 37, ("qkv", "ROPE")), (39, 40, ("qkv", "SMEM")),
@@ -560,6 +567,32 @@ def test_early_trigger_per_gemv_group_and_attention():
         modes.setdefault(r["what"], set()).add(r["pdl"])
     assert modes["o"] == {2} and modes["_attn_kernel"] == {2}, modes
     assert modes["gemv"] == {1} and modes["_add_norm_kernel"] == {1}, modes
+
+
+TILE_LAUNCH_SCRIPT = LAUNCHES_SETUP + r'''
+apply_knobs(mod.KNOBS, json.loads(sys.argv[2]))
+gate_up = (2 * cfg.intermediate_size, cfg.hidden_size)
+out = {}
+for rows in (1, 3):
+    launches.clear()
+    mod.forward(state, decode_batch(torch.tensor([7, 8, 9][:rows]), torch.tensor([5, 6, 7][:rows]),
+                                    torch.tensor([0, 1, 2][:rows])))
+    out[rows] = sorted({kw["BLOCK_N"] for fn, grid, args, kw in launches
+                        if fn.__name__ == "_gemv_kernel" and tuple(args[1].shape) == gate_up})
+print("RESULTS " + json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_dot_block_n_tiles_only_the_batched_gemv():
+    """KNOBS[group]["DOT_BLOCK_N"] sets the weight rows a program on the tl.dot path (batched
+    rows) and leaves batch 1 on BLOCK_N; without it the batched path takes BLOCK_N (at least 16)."""
+    ex = str(EXAMPLES / "llama_triton_decode.py")
+    got = run_script(TILE_LAUNCH_SCRIPT, [ex, json.dumps({"gate_up": {"BLOCK_N": 8, "DOT_BLOCK_N": 32}})],
+                     interpret=False)
+    assert got == {"1": [8], "3": [32]}, got
+    got = run_script(TILE_LAUNCH_SCRIPT, [ex, json.dumps({"gate_up": {"BLOCK_N": 8}})], interpret=False)
+    assert got == {"1": [8], "3": [16]}, got
 
 
 L2_LAUNCHES_SCRIPT = LAUNCHES_SETUP + r'''

@@ -184,6 +184,8 @@ KNOBS = {
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor.
+    # DOT_BLOCK_N (optional): weight rows a program on the tl.dot path (batched rows, at least
+    # 16), where BLOCK_N tiles the batch-1 path; BLOCK_N where absent.
     # LOOP_STAGES (optional, 0 off): the K loop software-pipelined that deep by Triton (cp.async
     # into shared memory, steps in flight without registers holding them). The launch's
     # num_stages alone leaves the batch-1 (FMA) loop unpipelined: compiled for sm_90, its
@@ -1617,7 +1619,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     use_dot = B >= int(KNOBS["gemv_dot_min_rows"])
     bb = max(16, int(KNOBS["gemv_dot_block_b"])) if use_dot else 1
     if use_dot:
-        bn = max(16, bn)
+        bn = max(16, int(kn.get("DOT_BLOCK_N", bn)))
     if (norm is not None or into is not None) and (use_dot or B != 1):
         raise ValueError("a folded norm or an atomic add: one row, on the FMA path")
     if down is not None and (not silu or norm is None or into is None or tuple(down.shape) != (K, N)):

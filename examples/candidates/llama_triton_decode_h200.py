@@ -10,6 +10,11 @@ evict-last); the combine on one warp; lm_head on 16-row tiles reduced at every K
 qkv's K steps loaded a step ahead (PIPE). 1,338.6 tok/s (747 us a token): 2.63x the engine
 reference's 508.6, 1.80x torch.compile's 742.2, 26.5x HF's 50.6 in one run, where the same
 file without PIPE ran 1,321.0 (benchmarks/results/h200_forward_llama-3.2-1b.json).
+Since then, measured on an H100 only: down on 8-row tiles of 512 columns, 4 warps, reduced
+at every K step, and gate_up's batch-1 programs on 16 rows (its batched tl.dot programs
+keep 32: DOT_BLOCK_N), +1.2% (1,071.6 against 1,058.8 tok/s in one forward run,
+benchmarks/results/h100_forward_llama-3.2-1b_tiles.log; the tilings found alone by
+benchmarks/stream_bench.py, h100_stream.json).
 Gate: tolerance on that preset (identical greedy tokens); on the shrunk preset the
 tolerance gate fails it by a near tie (the reference's top two logits one bf16 ulp apart
 at decode step 4: h200_online_softmax_gate.json), which is why llama_triton_decode.py
@@ -197,6 +202,8 @@ KNOBS = {
     # PIPE: each K step's tiles are loaded one step ahead (two steps in flight per program).
     # maxnreg (optional): a cap on the kernel's registers a thread (a Triton launch option), so
     # that more of its programs fit on a multiprocessor.
+    # DOT_BLOCK_N (optional): weight rows a program on the tl.dot path (batched rows, at least
+    # 16), where BLOCK_N tiles the batch-1 path; BLOCK_N where absent.
     # LOOP_STAGES (optional, 0 off): the K loop software-pipelined that deep by Triton (cp.async
     # into shared memory, steps in flight without registers holding them). The launch's
     # num_stages alone leaves the batch-1 (FMA) loop unpipelined: compiled for sm_90, its
@@ -217,10 +224,11 @@ KNOBS = {
     "o": {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 4,
           "EARLY_TRIGGER": True,
           "PIPE": False},
-    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
+    "gate_up": {"BLOCK_N": 16, "DOT_BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 8, "num_stages": 3,
+                "PF_STEPS": 0, "PRE": 1,
                 "REDUCE_EACH": True, "PIPE": False},
-    "down": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 8, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
-             "EARLY_TRIGGER": True,
+    "down": {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 1,
+             "EARLY_TRIGGER": True, "REDUCE_EACH": True,
              "PIPE": False},
     "lm_head": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "PF_STEPS": 0, "PRE": 0,
                 "REDUCE_EACH": True,
@@ -1633,7 +1641,7 @@ def _gemv(x, w, knob: str, out_dtype=None, silu: bool = False, pdl: bool = False
     use_dot = B >= int(KNOBS["gemv_dot_min_rows"])
     bb = max(16, int(KNOBS["gemv_dot_block_b"])) if use_dot else 1
     if use_dot:
-        bn = max(16, bn)
+        bn = max(16, int(kn.get("DOT_BLOCK_N", bn)))
     if (norm is not None or into is not None) and (use_dot or B != 1):
         raise ValueError("a folded norm or an atomic add: one row, on the FMA path")
     if down is not None and (not silu or norm is None or into is None or tuple(down.shape) != (K, N)):
