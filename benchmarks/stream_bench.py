@@ -17,7 +17,6 @@ the five fastest a shape), then one JSON line. CUDA only.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import math
 import sys
@@ -32,18 +31,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from benchmarks.common import capture, emit, replay_us  # noqa: E402
+from engine_server.candidate import load_module  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
 D, INTER, VOCAB, EPS = 2048, 8192, 128256, 1e-5  # Llama-3.2-1B
 SHAPES = {"lm_head": (VOCAB, D), "gate_up": (2 * INTER, D), "down": (D, INTER)}  # weight [rows, K]
 TOLERANCE = 0.02  # of the largest output's magnitude
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location("stream_candidate", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @triton.jit
@@ -150,7 +143,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("stream_bench: needs CUDA", file=sys.stderr)
         return 1
-    mod = load(Path(a.candidate))
+    mod = load_module("stream", Path(a.candidate).read_text())
     gen = torch.Generator(device="cuda").manual_seed(0)
     hw = hardware("cuda")
     print(f"the GEMV's streaming bandwidth alone, {hw.device_name}, {Path(a.candidate).name}")
