@@ -12,7 +12,8 @@ and the fastest pass measured on the H200, whose KNOBS differ from the shipped o
 
     llama_triton_decode_h200.py  online softmax, RoPE fused into attention, PREFETCH_O,
                                  no PRELOAD_KV, EARLY_INPUTS, norm EARLY_TRIGGER, qkv PRE 4,
-                                 gate_up PRE 1, L2 priorities
+                                 gate_up PRE 1, L2 priorities, the norms folded, gate_up's
+                                 batch-1 programs on 16 rows, down on 8 x 512 tiles
 
 Run `python examples/candidates/make_ladder.py` after editing llama_triton_decode.py;
 tests/test_examples.py checks the written files are current.
