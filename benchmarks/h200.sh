@@ -87,7 +87,7 @@ barrier)  # the cost of one grid barrier of the persistent example
     python3 benchmarks/barrier_bench.py --out "$OUT/barrier.json" 2>&1 | tee "$OUT/barrier.txt"
     ;;
 stream)  # the decode example's GEMV alone against the memory's read bandwidth, by tiling (SHAPES=)
-    python3 benchmarks/stream_bench.py --shapes "${SHAPES:-lm_head,gate_up,down}" --out "$OUT/stream.json" 2>&1 \
+    python3 benchmarks/stream_bench.py ${SHAPES:+--shapes "$SHAPES"} --out "$OUT/stream.json" 2>&1 \
         | grep -v '^{' | tee "$OUT/stream.txt"
     ;;
 sync)  # what a dependency between two kernels costs: stream order, PDL's wait, a polled counter

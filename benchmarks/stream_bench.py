@@ -1,12 +1,12 @@
 """How close the decode example's GEMV comes to the memory's read bandwidth, alone, by tiling.
 
-    python benchmarks/stream_bench.py [--candidate FILE] [--shapes lm_head,gate_up,down] [--out F]
+    python benchmarks/stream_bench.py [--candidate FILE] [--shapes qkv,o,gate_up,down,lm_head] [--out F]
 
-For lm_head, gate_up and down of the Llama-3.2-1B preset (bf16 weights, batch 1), called as the
-decode step calls them (the norm folded into lm_head and gate_up, silu(gate) * up out of gate_up,
-down adding into the float32 residual), each tiling of the candidate's own `_gemv` (its KNOBS
-for that projection with BLOCK_N, BLOCK_K, num_warps, REDUCE_EACH and, for down, SPLIT_K set)
-runs over enough copies of the weight that L2 holds none of it from one launch to the next:
+For each projection of the Llama-3.2-1B preset (bf16 weights, batch 1), called as the decode
+step calls it (the norm folded into qkv, gate_up and lm_head, silu(gate) * up out of gate_up, o
+and down adding into the float32 residual), each tiling of the candidate's own `_gemv` (its
+KNOBS for that projection with BLOCK_N, BLOCK_K, num_warps, REDUCE_EACH, PIPE and, for o and
+down, SPLIT_K set) runs over enough copies of the weight that L2 holds none of it from one launch to the next:
 one launch a copy, all in one CUDA graph, replayed (best of 5 means of 20). Bandwidth is the
 weight's bytes over the time a launch. Beside them, two ceilings over the same copies: a plain
 Triton read (each program sums one contiguous run of the weight) and torch's copy (read and
@@ -35,8 +35,12 @@ from engine_server.candidate import load_module  # noqa: E402
 from engine_server.results import hardware  # noqa: E402
 
 D, INTER, VOCAB, EPS = 2048, 8192, 128256, 1e-5  # Llama-3.2-1B
-SHAPES = {"lm_head": (VOCAB, D), "gate_up": (2 * INTER, D), "down": (D, INTER)}  # weight [rows, K]
+QKV = (32 + 2 * 8) * 64  # its q, k and v heads of 64
+SHAPES = {"qkv": (QKV, D), "o": (D, D), "gate_up": (2 * INTER, D), "down": (D, INTER),
+          "lm_head": (VOCAB, D)}  # weight [rows, K]
+SPLITS = {"o": (1, 2), "down": (2, 4)}  # these add into the residual, split along K as tried here
 TOLERANCE = 0.02  # of the largest output's magnitude
+DEVICE = "cuda"  # where Shape puts its tensors (the tests check its answers on the CPU)
 
 
 @triton.jit
@@ -56,32 +60,32 @@ def copies_for(nbytes: int) -> int:
 class Shape:
     """One projection's weight copies, inputs and the float32 answer for the first copy."""
 
-    def __init__(self, name: str, gen: torch.Generator):
+    def __init__(self, name: str, gen: torch.Generator, copies: int):
         self.name = name
         rows, k = SHAPES[name]
         self.nbytes = rows * k * 2
-        self.ws = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-                   for _ in range(copies_for(self.nbytes))]
-        if name == "down":
-            self.a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            self.x = torch.zeros(1, rows, device="cuda", dtype=torch.float32)
+        self.ws = [torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
+                   for _ in range(copies)]
+        if name in SPLITS:
+            self.a = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            self.x = torch.zeros(1, rows, device=DEVICE, dtype=torch.float32)
             self.want = self.ws[0].float() @ self.a.float()[0]
         else:
-            self.x = torch.randn(1, k, device="cuda", dtype=torch.float32, generator=gen)
-            self.g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            self.x = torch.randn(1, k, device=DEVICE, dtype=torch.float32, generator=gen)
+            self.g = 1 + 0.1 * torch.randn(k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
             h = self.x[0] * torch.rsqrt(self.x[0].pow(2).mean() + EPS) * self.g.float()
             y = self.ws[0].float() @ h
-            self.want = F.silu(y[:INTER]) * y[INTER:] if name == "gate_up" else y
+            self.want = F.silu(y[:rows // 2]) * y[rows // 2:] if name == "gate_up" else y
 
     def call(self, mod, w: torch.Tensor) -> torch.Tensor:
-        if self.name == "down":
-            return mod._gemv(self.a, w, "down", into=self.x)
+        if self.name in SPLITS:
+            return mod._gemv(self.a, w, self.name, into=self.x)
         return mod._gemv(self.x, w, self.name, out_dtype=torch.bfloat16, silu=self.name == "gate_up",
                          norm=(self.g, EPS))
 
     def error(self, mod) -> float:
         """The first copy's output against the float32 answer, over the largest output."""
-        if self.name == "down":
+        if self.name in SPLITS:
             self.x.zero_()
         got = self.call(mod, self.ws[0]).float().reshape(-1)
         return float((got - self.want).abs().max() / self.want.abs().max())
@@ -127,17 +131,19 @@ def ceilings(shape: Shape) -> list[dict]:
 
 
 def tilings(name: str) -> list[dict]:
-    grid = itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (False, True))
-    out = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "REDUCE_EACH": r, "PIPE": False} for n, k, w, r in grid]
-    if name == "down":
-        out = [dict(t, SPLIT_K=s) for t in out for s in (2, 4) if t["BLOCK_K"] <= INTER // s]
+    modes = ((False, False), (True, False), (True, True))  # (REDUCE_EACH, PIPE)
+    grid = itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), modes)
+    out = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "REDUCE_EACH": r, "PIPE": p} for n, k, w, (r, p) in grid]
+    if name in SPLITS:
+        k = SHAPES[name][1]
+        out = [dict(t, SPLIT_K=s) for t in out for s in SPLITS[name] if t["BLOCK_K"] <= k // s]
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--candidate", default=str(ROOT / "examples/candidates/llama_triton_decode_h200.py"))
-    p.add_argument("--shapes", default="lm_head,gate_up,down")
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -149,7 +155,7 @@ def main() -> int:
     print(f"the GEMV's streaming bandwidth alone, {hw.device_name}, {Path(a.candidate).name}")
     results = []
     for name in a.shapes.split(","):
-        shape = Shape(name, gen)
+        shape = Shape(name, gen, copies_for(SHAPES[name][0] * SHAPES[name][1] * 2))
         own = {k: mod.KNOBS[name][k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "REDUCE_EACH", "PIPE", "SPLIT_K")
                if k in mod.KNOBS[name]}
         rows = [dict(gemv_row(mod, shape, {}), own=True)] + [gemv_row(mod, shape, t) for t in tilings(name)]

@@ -735,6 +735,46 @@ def test_fused_mlp_alternates_the_residual_buffers():
     assert two["kinds"].count("norm") == 9 and "gemv_mlp" not in two["kinds"], two["kinds"]
 
 
+# ---- one GEMV alone by tiling (benchmarks/stream_bench.py) -------------------------------
+
+STREAM_SCRIPT = r'''
+import json, sys
+import torch
+import benchmarks.stream_bench as sb
+from engine_server.candidate import load_module
+sb.DEVICE = "cpu"
+sb.SHAPES.update(qkv=(96, 64), o=(64, 64), gate_up=(256, 64), down=(64, 128), lm_head=(200, 64))
+mod = load_module("stream", open(sys.argv[1]).read())
+gen = torch.Generator().manual_seed(0)
+out = {}
+for name in sb.SHAPES:
+    shape = sb.Shape(name, gen, copies=1)
+    own = shape.error(mod)
+    knobs = dict(mod.KNOBS[name])
+    mod.KNOBS[name].update({"BLOCK_N": 32, "BLOCK_K": 1024, "num_warps": 8, "REDUCE_EACH": True, "PIPE": True,
+                            **({"SPLIT_K": sb.SPLITS[name][-1]} if name in sb.SPLITS else {})})
+    other = shape.error(mod)
+    mod.KNOBS[name].clear()
+    mod.KNOBS[name].update(knobs)
+    shape.want = shape.want.roll(1)  # another row's answer in each place: must read as wrong
+    out[name] = [own, other, shape.error(mod)]
+print("RESULTS " + json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_stream_bench_checks_each_projection_as_the_step_calls_it():
+    """benchmarks/stream_bench.py's answers, under the interpreter: the H200 file's GEMV on every
+    projection, called as the decode step calls it, at the file's tiling and at another (wider
+    tiles, reduced every K step, a step ahead, split), within the bench's tolerance of the
+    float32 answer; a wrong answer reads beyond it."""
+    from benchmarks.stream_bench import TOLERANCE
+    got = run_script(STREAM_SCRIPT, [str(EXAMPLES / "llama_triton_decode_h200.py")], interpret=True)
+    assert set(got) == {"qkv", "o", "gate_up", "down", "lm_head"}, got
+    for name, (own, other, wrong) in got.items():
+        assert own <= TOLERANCE and other <= TOLERANCE and wrong > TOLERANCE, (name, got[name])
+
+
 # ---- the attention kernels alone (benchmarks/attn_check.py) ----------------------------
 
 ATTN_CHECK_SCRIPT = r'''
