@@ -146,6 +146,9 @@ def main() -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    unknown = sorted(set(a.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}: choose from {','.join(SHAPES)}")
     if not torch.cuda.is_available():
         print("stream_bench: needs CUDA", file=sys.stderr)
         return 1
