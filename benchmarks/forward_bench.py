@@ -13,7 +13,8 @@ One process, one GPU:
 3. hill-climbs through the engine's own tools: for each file that defines a module-level
    `KNOBS = {...}` literal, one knob at a time is doubled or halved (ints that are powers of
    two; other ints +-1; bools flipped; a step that neither wins nor loses is followed by one
-   more in the same direction) by rewriting that literal in the source, submitted
+   more in the same direction; with `--tilings`, first each projection's fastest tilings alone
+   from a `stream_bench.py` JSON, one group's tiling a move) by rewriting that literal in the source, submitted
    with `submit_forward_pass(parent=...)` and measured with `measure_fast`; a move is kept
    only when its batch-1 decode speedup over the reference (geometric mean of the fast
    tier's batch-1 decode shapes, measured twice) beats the current best by `--min-gain`
@@ -205,6 +206,17 @@ def beyond(v, nb):
     return far if far >= 1 else None
 
 
+def tiling_seeds(path: str, per_group: int) -> list[tuple[str, dict]]:
+    """The `per_group` fastest tilings of each projection in a `stream_bench.py` JSON that passed
+    its check (the file's own left out), fastest first: (KNOBS group, its knobs)."""
+    seeds = []
+    for shape in json.loads(Path(path).read_text())["results"]:
+        rows = sorted((r for r in shape["rows"] if r.get("ok") and not r.get("own") and r.get("knobs")),
+                      key=lambda r: r["us"])
+        seeds += [(shape["shape"], r["knobs"]) for r in rows[:per_group]]
+    return seeds
+
+
 # ---- measurements through the engine ---------------------------------------------------
 
 def objective(m) -> float:
@@ -355,6 +367,7 @@ class Run:
         self.eng, self.a, self.t0 = eng, args, t0
         self.trials: list[dict] = []
         self.cuda_broken: str | None = None
+        self.seeds = tiling_seeds(args.tilings, args.tiling_seeds) if getattr(args, "tilings", "") else []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -421,6 +434,21 @@ class Run:
         log(f"   climb {stem}: start x{best['obj']:.4f} over the reference (batch-1 decode), gate {g['gate']}, "
             f"knobs {knobs0}")
         seen = {repr(knobs0)}
+        # the tilings measured fastest alone (--tilings): one group's tiling a move, in order
+        for group, tiling in self.seeds:
+            if time.perf_counter() >= deadline or self.cuda_broken:
+                break
+            if not isinstance(best["knobs"].get(group), dict):
+                continue
+            trial_knobs = merged(best["knobs"], {group: tiling})
+            if repr(trial_knobs) in seen:
+                continue
+            seen.add(repr(trial_knobs))
+            label = ",".join(f"{k}={v}" for k, v in tiling.items())
+            t, best = self._move(path, stem, source, span, (group,), label, trial_knobs, best)
+            t["role"] = "seed"
+            out["trials"] += 1
+            out["moves"] += int(t["accepted"])
         # coordinate descent: each knob in turn (sizes first, switches last), each direction
         # followed while it wins; a step that neither wins nor loses by min_gain (a plateau)
         # is followed by one more step past it; passes repeat while any move was kept and time
@@ -612,6 +640,9 @@ def parser() -> argparse.ArgumentParser:
                         'written to --winners-dir (or a temporary folder) as <stem>-<name>.py and evaluated as '
                         'files of their own (not climbed)')
     p.add_argument("--min-gain", type=float, default=0.01, help="a move must beat the best by this fraction")
+    p.add_argument("--tilings", default="", help="a stream_bench.py JSON: the climb first tries each projection's "
+                   "fastest tilings from it")
+    p.add_argument("--tiling-seeds", type=int, default=3, help="tilings a projection taken from --tilings")
     p.add_argument("--winners-dir", default=None, help="write each file's best source and the results here")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-compile", action="store_true")

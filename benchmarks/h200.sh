@@ -22,9 +22,10 @@ winners=(examples/candidates/llama_triton_decode_h200.py)  # evaluated beside th
 
 case "${1:?stage}" in
 forward)  # batch-1 decode: hill-climb the example candidates, against torch.compile and HF
-    # (EXTRA: more candidate files, evaluated beside the winners, not climbed)
+    # (EXTRA: more candidate files, evaluated beside the winners, not climbed; TILINGS: a stream
+    # stage's JSON, whose fastest tilings the climb tries first)
     python3 benchmarks/forward_bench.py --device cuda --budget-s "${BUDGET_S:-240}" --total-s "${TOTAL_S:-480}" \
-        --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} \
+        --climb llama_triton_decode ${START_KNOBS:+--start-knobs "$START_KNOBS"} ${TILINGS:+--tilings "$TILINGS"} \
         --winners-dir "$OUT/winners" "${ladder[@]}" "${winners[@]}" ${EXTRA:-} 2>&1 | tee "$OUT/forward.log"
     python3 benchmarks/profile_step.py --exact-repeats 0 --order --candidate "${ladder[0]}" >"$OUT/profile.txt" 2>&1 || true
     ;;

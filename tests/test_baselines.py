@@ -131,19 +131,36 @@ def test_pick_variant_takes_the_fastest_gated_copy_past_every_base_run(tmp_path)
     assert p.returncode == 0 and p.stdout == "/v/c-fast.py\n" and "take c-fast" in p.stderr
 
 
+# a stream_bench.py JSON: two checked tilings of down and the file's own, one that failed, one of qkv
+STREAM = {"results": [
+    {"shape": "down", "rows": [{"knobs": {}, "own": True, "ok": True, "us": 0.5},
+                               {"knobs": {"num_warps": 2}, "ok": False, "failure": "OutOfResources"},
+                               {"knobs": {"BLOCK_N": 32}, "ok": True, "us": 2.0},
+                               {"knobs": {"BLOCK_N": 8, "num_warps": 4}, "ok": True, "us": 1.0}]},
+    {"shape": "qkv", "rows": [{"knobs": {"BLOCK_N": 4}, "ok": True, "us": 1.0}]}]}
+
+
+def test_tiling_seeds_take_each_projections_fastest_checked_tilings(tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps(STREAM))
+    assert forward_bench.tiling_seeds(str(tmp_path / "s.json"), 2) == [
+        ("down", {"BLOCK_N": 8, "num_warps": 4}), ("down", {"BLOCK_N": 32}), ("qkv", {"BLOCK_N": 4})]
+    assert forward_bench.tiling_seeds(str(tmp_path / "s.json"), 1)[0] == ("down", {"BLOCK_N": 8, "num_warps": 4})
+
+
 def test_forward_bench_runs_on_cpu(tmp_path):
     ref = (ROOT / "engine_server" / "models" / "llama.py").read_text()
     (tmp_path / "knobbed.py").write_text("from engine_server.models import llama as ref\n\n"
-                                         "KNOBS = {'BLOCK_N': 64}\n\n\ndef forward(state, batch):\n"
-                                         "    return ref.forward(state, batch)\n")
+                                         "KNOBS = {'BLOCK_N': 64, 'down': {'BLOCK_N': 16, 'num_warps': 8}}\n\n\n"
+                                         "def forward(state, batch):\n    return ref.forward(state, batch)\n")
+    (tmp_path / "stream.json").write_text(json.dumps(STREAM))
     (tmp_path / "copy.py").write_text(ref)
     (tmp_path / "broken.py").write_text("def forward(state, batch):\n    raise RuntimeError('nope')\n")
     (tmp_path / "helper.py").write_text("def main():\n    pass\n")
     env = dict(os.environ, TKCC_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "forward_bench.py"), "--shrink", "--device", "cpu",
            "--skip-hf", "--compile-mode", "none", "--context", "16", "--steps", "6", "--repeats", "1",
-           "--budget-s", "3", "--no-full", "--fast-rounds", "5", "--winners-dir", str(tmp_path / "win"),
-           "--start-knobs", '{"BLOCK_N": 32}',
+           "--budget-s", "6", "--no-full", "--fast-rounds", "5", "--winners-dir", str(tmp_path / "win"),
+           "--start-knobs", '{"BLOCK_N": 32}', "--tilings", str(tmp_path / "stream.json"), "--tiling-seeds", "1",
            str(tmp_path / "knobbed.py"), str(tmp_path / "copy.py"), str(tmp_path / "broken.py"),
            str(tmp_path / "helper.py")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -154,7 +171,11 @@ def test_forward_bench_runs_on_cpu(tmp_path):
     assert rows["copy"]["tolerance"]["close"] and rows["copy"]["fast"]["ok"]
     assert rows["copy"]["tokens_match_reference"] == 7
     assert rows["knobbed"]["gate"] == "bitwise" and res["climb"]["trials"][0]["role"] == "start"
-    assert rows["knobbed"]["knobs_start"] == {"BLOCK_N": 32}  # --start-knobs
+    assert rows["knobbed"]["knobs_start"] == {"BLOCK_N": 32, "down": {"BLOCK_N": 16, "num_warps": 8}}  # --start-knobs
+    # --tilings: the climb's first move is down's fastest tiling alone; qkv's, a group the file has not, is left out
+    seeds = [t for t in res["climb"]["trials"] if t.get("role") == "seed"]
+    assert [t["knobs"]["down"] for t in seeds] == [{"BLOCK_N": 8, "num_warps": 4}], seeds
+    assert res["climb"]["trials"][1]["role"] == "seed"  # before any single-knob move
     assert "nope" in rows["broken"]["error"] and "helper" not in rows
     assert res["not_candidates"] == [str(tmp_path / "helper.py")]
     assert res["reference"]["tok_s"] > 0 and res["baselines"]["compile"]["ok"]
