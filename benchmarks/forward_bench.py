@@ -13,8 +13,9 @@ One process, one GPU:
 3. hill-climbs through the engine's own tools: for each file that defines a module-level
    `KNOBS = {...}` literal, one knob at a time is doubled or halved (ints that are powers of
    two; other ints +-1; bools flipped; a step that neither wins nor loses is followed by one
-   more in the same direction; with `--tilings`, first each projection's fastest tilings alone
-   from a `stream_bench.py` JSON, one group's tiling a move) by rewriting that literal in the source, submitted
+   more in the same direction; with `--tilings`, first each projection's fastest tilings
+   alone from a `stream_bench.py` JSON, one group's tiling a move) by rewriting that literal
+   in the source, submitted
    with `submit_forward_pass(parent=...)` and measured with `measure_fast`; a move is kept
    only when its batch-1 decode speedup over the reference (geometric mean of the fast
    tier's batch-1 decode shapes, measured twice) beats the current best by `--min-gain`
