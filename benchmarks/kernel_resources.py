@@ -11,8 +11,8 @@ programs, warps, registers a thread, stack bytes (spills), shared memory a progr
 cubin's static and the launch's dynamic), how many of its programs one multiprocessor holds
 (by registers: 65,536, allocated per warp in 256s; by warps: 64; by shared memory: 228 KB,
 1 KB of it reserved a program) and the share of the GPU's register file (--sms
-multiprocessors) its whole grid needs: above 1 the grid cannot all be resident at once, and whatever share a kernel holds is
-what the kernel launched early beside it (PDL) cannot. `--set` overrides KNOBS as the
+multiprocessors) its whole grid needs: above 1 the grid cannot all be resident at once, and
+whatever share a kernel holds is what the kernel launched early beside it (PDL) cannot. `--set` overrides KNOBS as the
 variants runs do (`forward_bench.override_knobs`: nested dicts merged key by key). The
 Triton here may allocate registers otherwise than the GPU image's (`profile_step.py
 --resources` reads them there). Prints a card, then one JSON line.

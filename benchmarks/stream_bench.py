@@ -60,12 +60,12 @@ def copies_for(nbytes: int) -> int:
 class Shape:
     """One projection's weight copies, inputs and the float32 answer for the first copy."""
 
-    def __init__(self, name: str, gen: torch.Generator, copies: int):
+    def __init__(self, name: str, gen: torch.Generator, copies: int | None = None):
         self.name = name
         rows, k = SHAPES[name]
         self.nbytes = rows * k * 2
         self.ws = [torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.02
-                   for _ in range(copies)]
+                   for _ in range(copies or copies_for(self.nbytes))]
         if name in SPLITS:
             self.a = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
             self.x = torch.zeros(1, rows, device=DEVICE, dtype=torch.float32)
@@ -93,6 +93,11 @@ class Shape:
     def gbs(self, us: float) -> float:
         return self.nbytes / us / 1e3
 
+    def launch_us(self, launch) -> float:
+        """`launch(w)` on every copy in one graph, replayed: us a launch."""
+        g = capture(lambda: [launch(w) for w in self.ws])
+        return replay_us(g, replays=20) / len(self.ws)
+
 
 def gemv_row(mod, shape: Shape, knobs: dict) -> dict:
     """One tiling of the candidate's GEMV over every copy: its error, us a launch and GB/s."""
@@ -101,8 +106,7 @@ def gemv_row(mod, shape: Shape, knobs: dict) -> dict:
     row = {"shape": shape.name, "knobs": knobs}
     try:
         row["error"] = round(shape.error(mod), 5)
-        g = capture(lambda: [shape.call(mod, w) for w in shape.ws])
-        us = replay_us(g, replays=20) / len(shape.ws)
+        us = shape.launch_us(lambda w: shape.call(mod, w))
         row.update(us=round(us, 2), gbs=round(shape.gbs(us), 1), ok=row["error"] <= TOLERANCE)
     except Exception as e:  # noqa: BLE001 - a tiling the kernel or the GPU refuses is a row, not the end
         row.update(ok=False, failure=f"{type(e).__name__}: {str(e)[:200]}")
@@ -118,13 +122,11 @@ def ceilings(shape: Shape) -> list[dict]:
     for block, warps in itertools.product((4096, 16384), (4, 8)):
         n = shape.ws[0].numel()
         out = torch.empty(n // block, device="cuda", dtype=torch.float32)
-        g = capture(lambda: [_read_kernel[(n // block,)](w, out, BLOCK=block, num_warps=warps) for w in shape.ws])
-        us = replay_us(g, replays=20) / len(shape.ws)
+        us = shape.launch_us(lambda w: _read_kernel[(n // block,)](w, out, BLOCK=block, num_warps=warps))
         rows.append({"shape": shape.name, "ceiling": f"triton read, {block} elements a program, {warps} warps",
                      "us": round(us, 2), "gbs": round(shape.gbs(us), 1)})
     dst = torch.empty_like(shape.ws[0])
-    g = capture(lambda: [dst.copy_(w) for w in shape.ws])
-    us = replay_us(g, replays=20) / len(shape.ws)
+    us = shape.launch_us(dst.copy_)
     rows.append({"shape": shape.name, "ceiling": "torch copy (read + write: twice the bytes)", "us": round(us, 2),
                  "gbs": round(2 * shape.gbs(us), 1)})
     return rows
@@ -158,7 +160,7 @@ def main() -> int:
     print(f"the GEMV's streaming bandwidth alone, {hw.device_name}, {Path(a.candidate).name}")
     results = []
     for name in a.shapes.split(","):
-        shape = Shape(name, gen, copies_for(SHAPES[name][0] * SHAPES[name][1] * 2))
+        shape = Shape(name, gen)
         own = {k: mod.KNOBS[name][k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "REDUCE_EACH", "PIPE", "SPLIT_K")
                if k in mod.KNOBS[name]}
         rows = [dict(gemv_row(mod, shape, {}), own=True)] + [gemv_row(mod, shape, t) for t in tilings(name)]
