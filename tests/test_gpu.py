@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CHEATERS
+from conftest import CHEATERS, example_source
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -103,8 +103,7 @@ def test_serving_batches_through_graphs_and_promotes_without_failures(tmp_path):
 def test_triton_decode_example_passes_the_tolerance_gate(cuda_engine):
     """Not bitwise (another summation order), but no further from the float32 reference than
     twice the bf16 reference, identical tokens, and valid on both tiers (near ties allowed)."""
-    from conftest import ROOT
-    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
+    src = example_source("llama_triton_decode")
     r = cuda_engine.submit_forward_pass(src, name="triton-decode")
     assert r.ok and r.graphs, (r.error, r.notes)
     assert not cuda_engine.check_bit_exact(r.candidate_id).exact
@@ -121,11 +120,8 @@ def test_triton_decode_with_folded_norms_passes_the_tolerance_gate(cuda_engine):
     """KNOBS["norm"]["FOLD"] (no norm kernels, a float32 residual that o and down add into
     atomically): the graph replays what the eager step computes to within a last-bit flip of
     the atomics' order, and the pass stays within the tolerance gate with identical tokens."""
-    from conftest import ROOT
     from engine_server.state import decode_batch
-    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    fold = src.replace('"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}', 1)
-    assert fold != src
+    fold = example_source("llama_triton_decode", {"norm": {"FOLD": True}})
     r = cuda_engine.submit_forward_pass(fold, name="triton-fold")
     assert r.ok and r.graphs, (r.error, r.notes)
     c = cuda_engine.candidates[r.candidate_id]
@@ -170,10 +166,8 @@ def test_triton_decode_pdl_changes_timing_not_results(cuda_engine):
     """KNOBS["pdl"] on launches the same kernels with programmatic dependent launch and L2
     prefetches: the logits are bitwise those of plain launches, eager and from the captured
     graph, and the tolerance gate measures the same error for both."""
-    from conftest import ROOT
-    on = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    off = on.replace('"pdl": {"enabled": True', '"pdl": {"enabled": False', 1)
-    assert on != off
+    on = example_source("llama_triton_decode", {"pdl": {"enabled": True}})
+    off = example_source("llama_triton_decode", {"pdl": {"enabled": False}})
     ids = _same_logits(cuda_engine, {"pdl-off": off, "pdl-on": on})
     tol = [cuda_engine.check_bit_exact(cid, mode="tolerance") for cid in ids]
     assert tol[1].close and tol[1].tokens_equal, tol[1]
@@ -187,23 +181,15 @@ def test_l2_prefetches_and_register_cap_change_timing_not_results(cuda_engine):
     maxnreg: the same logits as without them, eager and from the graph: bitwise with the norms
     unfolded, and folded (o and down add into the residual atomically, in any order) within the
     last-bit flips the folded pass's own test allows."""
-    from conftest import ROOT
-    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
+    h200 = "llama_triton_decode_h200"
     # the shrunk preset's rows are 128 wide: gate_up on 32-column K steps, so that some follow PRE
-    gu = '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256,'
-    old = '"GATE_UP_STEPS": 0, "BY": "attn", "AT": "wait"'
-    assert base.count(gu) == 1 and old in base
-    base = base.replace(gu, '"gate_up": {"BLOCK_N": 32, "BLOCK_K": 32,', 1)
-    knobs = base.replace(old, '"GATE_UP_STEPS": 2, "BY": "o", "AT": "entry"', 1)
-    knobs = knobs.replace('"END_DOWN": False, "END_QKV": False', '"END_DOWN": True, "END_QKV": True', 1)
-    assert '"END_DOWN": True, "END_QKV": True' in knobs
-    knobs = knobs.replace('"REDUCE_EACH": True, "PIPE": False}', '"REDUCE_EACH": True, "PIPE": False, "maxnreg": 128}', 1)
-    assert knobs.count("maxnreg\": 128") == 1
-    unfold = '"FOLD": True}'
-    assert base.count(unfold) == 1
-    _same_logits(cuda_engine, {"l2-off": base.replace(unfold, '"FOLD": False}'),
-                               "l2-on": knobs.replace(unfold, '"FOLD": False}')})
-    _same_logits(cuda_engine, {"l2-off-folded": base, "l2-on-folded": knobs}, rel=2e-2)
+    off = {"gate_up": {"BLOCK_K": 32}, "l2": {"GATE_UP_STEPS": 0, "END_DOWN": False, "END_QKV": False}}
+    on = {"gate_up": {"BLOCK_K": 32, "maxnreg": 128},
+          "l2": {"GATE_UP_STEPS": 2, "BY": "o", "AT": "entry", "END_DOWN": True, "END_QKV": True}}
+    for fold in (False, True):
+        _same_logits(cuda_engine, {f"l2-off-fold-{fold}": example_source(h200, {**off, "norm": {"FOLD": fold}}),
+                                   f"l2-on-fold-{fold}": example_source(h200, {**on, "norm": {"FOLD": fold}})},
+                     rel=2e-2 if fold else 0.0)
 
 
 @pytest.mark.gpu
@@ -214,22 +200,14 @@ def test_qkv_rope_and_smem_keep_the_step(cuda_engine):
     last-bit flips). With the norms folded and qkv's SMEM (a Gluon kernel holding its rows in
     shared memory, "async" and "tma"; another summation order): the tolerance gate with
     identical tokens, and that kernel is the one that ran."""
-    from conftest import ROOT
-    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    tile = '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2,'
-    off = '"PIPE": False, "ROPE": False, "SMEM": False},'
-    unfold = '"EARLY_TRIGGER": False, "FOLD": False}'
-    assert src.count(tile) == 1 and src.count(off) == 1 and src.count(unfold) == 1
-    base = src.replace(tile, '"qkv": {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1,', 1)
-    rope = base.replace(off, '"PIPE": False, "ROPE": True, "SMEM": False},')
-    fold = '"EARLY_TRIGGER": False, "FOLD": True}'
-    _same_logits(cuda_engine, {"rope-off": base, "rope-on": rope})
-    _same_logits(cuda_engine, {"rope-off-folded": base.replace(unfold, fold),
-                               "rope-on-folded": rope.replace(unfold, fold)}, rel=2e-2)
+    qkv = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "PIPE": False, "ROPE": False, "SMEM": False}
+
+    def src(fold: bool, **over) -> str:
+        return example_source("llama_triton_decode", {"qkv": {**qkv, **over}, "norm": {"FOLD": fold}})
+    _same_logits(cuda_engine, {"rope-off": src(False), "rope-on": src(False, ROPE=True)})
+    _same_logits(cuda_engine, {"rope-off-folded": src(True), "rope-on-folded": src(True, ROPE=True)}, rel=2e-2)
     for mode, bk in (("async", 128), ("tma", 64)):  # the shrunk preset's rows: 128 columns
-        smem = base.replace(unfold, fold).replace('"qkv": {"BLOCK_N": 16, "BLOCK_K": 256,',
-                                                  f'"qkv": {{"BLOCK_N": 32, "BLOCK_K": {bk},', 1)
-        smem = smem.replace(off, f'"PIPE": False, "ROPE": False, "SMEM": "{mode}"}},')
+        smem = src(True, BLOCK_N=32, BLOCK_K=bk, SMEM=mode)
         r = cuda_engine.submit_forward_pass(smem, name=f"qkv-smem-{mode}")
         assert r.ok and r.graphs, (r.error, r.notes)
         assert cuda_engine.candidates[r.candidate_id].module._smem_capable(torch.device("cuda")) > 0
@@ -243,10 +221,9 @@ def test_persistent_example_is_close_and_replays_bitwise(cuda_engine):
     owns, the same logits eagerly and from the captured graph, step after step (the barrier
     counters are fresh each call); batch > 1 runs the reference (bitwise), so the gate's
     batched steps match and its batch-1 steps are where it differs."""
-    from conftest import ROOT
     from engine_server.models import llama
     from engine_server.state import decode_batch
-    src = (ROOT / "examples" / "candidates" / "llama_triton_persistent.py").read_text()
+    src = example_source("llama_triton_persistent")
     r = cuda_engine.submit_forward_pass(src, name="persistent")
     assert r.ok and r.graphs, (r.error, r.notes)
     c = cuda_engine.candidates[r.candidate_id]
@@ -299,13 +276,8 @@ def test_o_gate_up_in_one_kernel_keeps_the_step(cuda_engine):
     copies into shared memory, a grid barrier): that kernel runs once a layer, and the logits
     are those of the two kernels it replaces within the atomics' flips, eager and from the
     graph; the tolerance gate passes with identical tokens."""
-    from conftest import ROOT
-    src = (ROOT / "examples" / "candidates" / "llama_triton_decode.py").read_text()
-    unfold, fold = '"EARLY_TRIGGER": False, "FOLD": False}', '"EARLY_TRIGGER": False, "FOLD": True}'
-    off = '"o_gate_up": {"FUSED": False,'
-    assert src.count(unfold) == 1 and src.count(off) == 1
-    base = src.replace(unfold, fold)
-    one = base.replace(off, '"o_gate_up": {"FUSED": True,')
+    base = example_source("llama_triton_decode", {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": False}})
+    one = example_source("llama_triton_decode", {"norm": {"FOLD": True}, "o_gate_up": {"FUSED": True}})
     ids = _same_logits(cuda_engine, {"o-gate-up-apart": base, "o-gate-up-one": one}, rel=2e-2)
     c = cuda_engine.candidates[ids[1]]
     calls = []
@@ -339,14 +311,12 @@ def test_attention_in_one_cluster_keeps_the_step(cuda_engine):
     kernel, a cluster of NSPLIT CTAs a kv head merging their partials after a cluster barrier),
     with 16 and 8 splits: that kernel runs once a layer, and the logits are those of the two
     kernels it replaces within the folded pass's last-bit flips, eager and from the graph."""
-    from conftest import ROOT
     from engine_server.state import decode_batch
-    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
-    off = '"EARLY_INPUTS": True, "CLUSTER": False}'
-    assert base.count(off) == 1 and base.count('"NSPLIT": 16,') == 1
-    on = base.replace(off, '"EARLY_INPUTS": True, "CLUSTER": True}')
-    ids = _same_logits(cuda_engine, {"attn-apart": base, "attn-cluster": on,
-                                     "attn-cluster-8": on.replace('"NSPLIT": 16,', '"NSPLIT": 8,')}, rel=2e-2)
+    h200 = "llama_triton_decode_h200"
+    ids = _same_logits(cuda_engine, {
+        "attn-apart": example_source(h200, {"attn": {"NSPLIT": 16, "CLUSTER": False}}),
+        "attn-cluster": example_source(h200, {"attn": {"NSPLIT": 16, "CLUSTER": True}}),
+        "attn-cluster-8": example_source(h200, {"attn": {"NSPLIT": 8, "CLUSTER": True}})}, rel=2e-2)
     for cid in ids[1:]:
         c = cuda_engine.candidates[cid]
         st = cuda_engine.candidate_state(c)
@@ -401,11 +371,9 @@ def test_attention_sums_divided_in_o_keep_the_step(cuda_engine):
     combine kernel's within the folded pass's last-bit flips, eager and from the graph, and no
     combine kernel runs; with one cached key scaled so its scores overflow the sums' weights,
     o_proj merges the splits' partials and the logits still are the combine kernel's."""
-    from conftest import ROOT
     from engine_server.state import decode_batch
-    base = (ROOT / "examples" / "candidates" / "llama_triton_decode_h200.py").read_text()
-    assert base.count('"IN_O": False}') == 1
-    on = base.replace('"IN_O": False}', '"IN_O": True}')
+    base = example_source("llama_triton_decode_h200", {"combine": {"IN_O": False}})
+    on = example_source("llama_triton_decode_h200", {"combine": {"IN_O": True}})
     off_id, on_id = _same_logits(cuda_engine, {"combine-kernel": base, "sums-in-o": on}, rel=2e-2)
     b = decode_batch(torch.tensor([5], device="cuda"), torch.tensor([300], device="cuda"),
                      torch.tensor([0], device="cuda"))
