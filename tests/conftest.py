@@ -13,10 +13,10 @@ OPTIONAL_KNOBS = {"maxnreg", "DOT_BLOCK_N", "LOOP_STAGES"}
 
 def example_source(name: str, override: dict | None = None) -> str:
     """examples/candidates/<name>.py with `override` merged into its KNOBS literal, as the
-    variants stage does (benchmarks.forward_bench.override_knobs), whatever the file's
+    variants stage does (forward_bench's find_knobs, merged, rewrite_knobs), whatever the file's
     current values and layout. Every overridden knob must already be in the file's KNOBS (or
     be one of OPTIONAL_KNOBS): a renamed knob fails here instead of becoming one nothing reads."""
-    from benchmarks.forward_bench import find_knobs, override_knobs
+    from benchmarks.forward_bench import find_knobs, merged, rewrite_knobs
     path = ROOT / "examples" / "candidates" / f"{name}.py"
     src = path.read_text()
     if not override:
@@ -28,8 +28,9 @@ def example_source(name: str, override: dict | None = None) -> str:
                 raise KeyError(f"{path.name} has no KNOBS{where}[{k!r}]")
             if isinstance(v, dict):
                 known(knobs[k], v, f"{where}[{k!r}]")
-    known(find_knobs(src)[0], override, "")
-    return override_knobs(src, override, str(path))
+    knobs, span = find_knobs(src)
+    known(knobs, override, "")
+    return rewrite_knobs(src, span, merged(knobs, override))
 
 
 @pytest.fixture(scope="session")
