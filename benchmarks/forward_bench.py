@@ -220,6 +220,17 @@ def tiling_seeds(path: str, per_group: int) -> list[tuple[str, dict]]:
 
 # ---- measurements through the engine ---------------------------------------------------
 
+def climb_time(budget_left: float, total_left: float, files_left: int) -> tuple[float, str | None]:
+    """Seconds for the next file's climb: its even share of what both `--budget-s` (budget_left)
+    and `--total-s` leave (total_left, after the evaluations still to come). When a budget is
+    left but the total leaves nothing, 0 s and why, so that a run never climbs for 0 s unsaid."""
+    share = max(0.0, min(budget_left, total_left) / max(files_left, 1))
+    if share > 0 or budget_left <= 0:
+        return share, None
+    return 0.0, (f"not climbed: --total-s leaves no time after the evaluations; "
+                 f"{budget_left - total_left:.0f} s more of --total-s would give the climb its --budget-s")
+
+
 def objective(m) -> float:
     """Batch-1 decode speedup over the reference in one fast-tier call (geometric mean of its
     batch-1 decode shapes); the tier's overall speedup if it has none."""
@@ -744,11 +755,10 @@ def main() -> int:
     climbable = [f for f in files if (k := find_knobs(_read(f, ""))) and leaves(k[0]) and (not only or f.stem in only)]
     climbs = {}
     for i, f in enumerate(climbable):
-        left = min(a.budget_s - sum(c.get("spent_s", 0) for c in climbs.values()),
-                   a.total_s - run.elapsed() - est * len(files) - 10)
-        share = max(0.0, left / (len(climbable) - i))
+        share, why = climb_time(a.budget_s - sum(c.get("spent_s", 0) for c in climbs.values()),
+                                a.total_s - run.elapsed() - est * len(files) - 10, len(climbable) - i)
         t = time.perf_counter()
-        log(f"-- climb {f.name}: {share:.0f} s")
+        log(f"-- climb {f.name}: {share:.0f} s" + (f" ({why})" if why else ""))
         try:
             src = _read(f)
             if a.start_knobs:
@@ -758,6 +768,8 @@ def main() -> int:
             c = {"file": str(f), "error": short_error(e), "source": _read(f)}
             run.note_error(c["error"])
         c["spent_s"] = round(time.perf_counter() - t, 1)
+        if why:
+            c["not_climbed"] = why
         climbs[str(f)] = c
     res["climb"] = {"trials": run.trials, "files": {k: {kk: vv for kk, vv in v.items() if kk != "source"}
                                                     for k, v in climbs.items()}}

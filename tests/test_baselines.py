@@ -147,6 +147,14 @@ def test_tiling_seeds_take_each_projections_fastest_checked_tilings(tmp_path):
     assert forward_bench.tiling_seeds(str(tmp_path / "s.json"), 1)[0] == ("down", {"BLOCK_N": 8, "num_warps": 4})
 
 
+def test_climb_time_shares_the_budget_and_says_when_the_total_leaves_none():
+    assert forward_bench.climb_time(60.0, 200.0, 2) == (30.0, None)  # the budget bounds it, shared
+    assert forward_bench.climb_time(60.0, 20.0, 1) == (20.0, None)  # the total bounds it
+    assert forward_bench.climb_time(0.0, -50.0, 1) == (0.0, None)  # no budget asked: nothing to say
+    share, why = forward_bench.climb_time(60.0, -65.0, 1)  # the H100 run of TOTAL_S=180 with 4 files
+    assert share == 0.0 and "--total-s" in why and "125 s more" in why
+
+
 def test_forward_bench_runs_on_cpu(tmp_path):
     ref = (ROOT / "engine_server" / "models" / "llama.py").read_text()
     (tmp_path / "knobbed.py").write_text("from engine_server.models import llama as ref\n\n"
