@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import io
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tokenize
 import traceback
 from pathlib import Path
 
@@ -111,12 +113,86 @@ def merged(knobs: dict, override: dict) -> dict:
     return out
 
 
+def unknown_knobs(source: str, override: dict) -> list[str]:
+    """The knobs in `override` that the file cannot read: neither in its KNOBS literal nor a
+    string literal of its code outside that literal (as an optional knob such as "maxnreg" is,
+    read with a default). A misspelt or renamed knob is one: merged in, it would make a copy
+    that nothing reads and that measures as the file itself."""
+    found = find_knobs(source)
+    if not found:
+        return []
+    knobs, span = found
+    data = source.encode()
+    names = _strings(source, (len(data[:span[0]].decode()), len(data[:span[1]].decode())))
+
+    def walk(have: dict, over: dict, where: str) -> list[str]:
+        out = []
+        for k, v in over.items():
+            if k not in have and k not in names:
+                out.append(f"KNOBS{where}[{k!r}]")
+            elif isinstance(v, dict) and isinstance(have.get(k), dict):
+                out += walk(have[k], v, f"{where}[{k!r}]")
+        return out
+    return walk(knobs, override, "")
+
+
+def _strings(source: str, skip: tuple[int, int]) -> set[str]:
+    """The string literals of `source` (its comments aside) outside the character span `skip`."""
+    starts = [0]
+    for line in source.split("\n"):  # as io.StringIO's readline splits it for tokenize
+        starts.append(starts[-1] + len(line) + 1)
+    out = set()
+    try:
+        for t in tokenize.generate_tokens(io.StringIO(source).readline):
+            at = starts[t.start[0] - 1] + t.start[1]
+            if t.type == tokenize.STRING and not skip[0] <= at < skip[1]:
+                try:
+                    v = ast.literal_eval(t.string)
+                except (ValueError, SyntaxError):
+                    continue
+                if isinstance(v, str):
+                    out.add(v)
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return out
+
+
 def override_knobs(source: str, override: dict, what: str = "the source") -> str:
-    """`source` with `override` merged into its KNOBS literal."""
+    """`source` with `override` merged into its KNOBS literal; ValueError when the source has
+    no KNOBS or `override` names a knob it cannot read (`unknown_knobs`)."""
     found = find_knobs(source)
     if not found:
         raise ValueError(f"{what} has no KNOBS literal to vary")
+    if bad := unknown_knobs(source, override):
+        raise ValueError(f"{what} has no {', '.join(bad)} (a misspelt or renamed knob?)")
     return rewrite_knobs(source, found[1], merged(found[0], override))
+
+
+def check_overrides(a: argparse.Namespace) -> str | None:
+    """Why `--variants` or `--start-knobs` cannot apply to the files (not JSON objects, a file
+    without KNOBS, a knob a file cannot read), before any engine time is spent; None if they can."""
+    for flag, text, files in (("--variants", a.variants, a.files[:1]),
+                              ("--start-knobs", a.start_knobs,
+                               [f for f in a.files if not a.climb or Path(f).stem in a.climb.split(",")])):
+        if not text:
+            continue
+        try:
+            over = json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"{flag} is not JSON: {e}"
+        if not isinstance(over, dict) or (flag == "--variants" and not all(isinstance(v, dict)
+                                                                         for v in over.values())):
+            return f"{flag} must be a JSON object" + (" of name -> KNOBS overrides" if flag == "--variants" else "")
+        for f in files:
+            src = _read(Path(f), "")
+            if flag == "--start-knobs" and not find_knobs(src):
+                continue  # measured as it is, not climbed
+            for o in (over.values() if flag == "--variants" else [over]):
+                try:
+                    override_knobs(src, o, f)
+                except ValueError as e:
+                    return f"{flag}: {e}"
+    return None
 
 
 def write_variants(path: Path, variants: dict, folder: Path) -> list[Path]:
@@ -678,6 +754,9 @@ def main() -> int:
         if a.out:
             Path(a.out).write_text(json.dumps(res | {"partial": True}, indent=2, default=str))
 
+    if why := check_overrides(a):
+        print(f"forward_bench: {why}", file=sys.stderr)
+        return 2
     log(f"== forward bench: {a.model} on {a.device}, batch 1, context {a.context}, {a.steps} steps")
     eng = Engine(engine_config(a))
     run = Run(eng, a, t0)

@@ -155,6 +155,31 @@ def test_climb_time_shares_the_budget_and_says_when_the_total_leaves_none():
     assert share == 0.0 and "--total-s" in why and "125 s more" in why
 
 
+def test_overrides_name_only_knobs_the_file_reads(tmp_path):
+    src = ("KNOBS = {'qkv': {'BLOCK_N': 16}, 'l2': {'AT': 'wait'}}  # 'nope' here is in no code\n\n\n"
+           "def forward(state, batch):\n    return KNOBS['qkv'].get(\"maxnreg\")\n")
+    assert forward_bench.unknown_knobs(src, {"qkv": {"BLOCK_N": 8, "maxnreg": 64}, "l2": {"AT": "entry"}}) == []
+    assert forward_bench.unknown_knobs(src, {"qkv": {"BLOCK_NN": 8}, "nope": 1, "l2": {"AT": "x"}}) == [
+        "KNOBS['qkv']['BLOCK_NN']", "KNOBS['nope']"]
+    with pytest.raises(ValueError, match=r"BLOCK_NN.*misspelt"):
+        forward_bench.override_knobs(src, {"qkv": {"BLOCK_NN": 8}}, "f.py")
+    assert "'maxnreg': 64" in forward_bench.override_knobs(src, {"qkv": {"maxnreg": 64}})
+    # the bench refuses such overrides before it builds an engine: exit 2 and why, in seconds
+    (tmp_path / "k.py").write_text(src)
+    (tmp_path / "plain.py").write_text("def forward(state, batch):\n    return None\n")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "forward_bench.py"), "--shrink", "--device", "cpu"]
+    for extra, why in ((["--variants", '{"a": {"qkv": {"BLOCK_NN": 8}}}', "k.py"], "--variants: k.py has no KNOBS['qkv']['BLOCK_NN']"),
+                       (["--variants", '{"a": 1}', "k.py"], "--variants must be a JSON object of name -> KNOBS"),
+                       (["--variants", '{"a": {}}', "plain.py"], "plain.py has no KNOBS literal"),
+                       (["--start-knobs", "{x", "k.py"], "--start-knobs is not JSON"),
+                       (["--start-knobs", '{"nope": 1}', "plain.py", "k.py"], "--start-knobs: k.py has no KNOBS['nope']")):
+        p = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert p.returncode == 2 and why in p.stderr and "engine ready" not in p.stdout + p.stderr, p.stderr[-2000:]
+    assert forward_bench.check_overrides(forward_bench.parser().parse_args(
+        ["--start-knobs", '{"nope": 1}', "--climb", "plain", str(tmp_path / "plain.py"), str(tmp_path / "k.py")])) is None
+
+
 def test_forward_bench_runs_on_cpu(tmp_path):
     ref = (ROOT / "engine_server" / "models" / "llama.py").read_text()
     (tmp_path / "knobbed.py").write_text("from engine_server.models import llama as ref\n\n"
