@@ -168,12 +168,17 @@ def override_knobs(source: str, override: dict, what: str = "the source") -> str
     return rewrite_knobs(source, found[1], merged(found[0], override))
 
 
+def climbed(a: argparse.Namespace, f: Path) -> bool:
+    """Whether `--climb` names the file's stem (every file when it names none)."""
+    only = {s for s in a.climb.split(",") if s}
+    return not only or f.stem in only
+
+
 def check_overrides(a: argparse.Namespace) -> str | None:
     """Why `--variants` or `--start-knobs` cannot apply to the files (not JSON objects, a file
     without KNOBS, a knob a file cannot read), before any engine time is spent; None if they can."""
     for flag, text, files in (("--variants", a.variants, a.files[:1]),
-                              ("--start-knobs", a.start_knobs,
-                               [f for f in a.files if not a.climb or Path(f).stem in a.climb.split(",")])):
+                              ("--start-knobs", a.start_knobs, [f for f in a.files if climbed(a, Path(f))])):
         if not text:
             continue
         try:
@@ -830,8 +835,7 @@ def main() -> int:
                                 Path(a.winners_dir or tempfile.mkdtemp(prefix="tkcc-variants-")) / "variants")
         res["variants"] = json.loads(a.variants)
     est = a.winner_est_s or ((35.0 if not a.no_full else 13.0) if eng.cuda else 15.0)
-    only = {s for s in a.climb.split(",") if s}
-    climbable = [f for f in files if (k := find_knobs(_read(f, ""))) and leaves(k[0]) and (not only or f.stem in only)]
+    climbable = [f for f in files if (k := find_knobs(_read(f, ""))) and leaves(k[0]) and climbed(a, f)]
     climbs = {}
     for i, f in enumerate(climbable):
         share, why = climb_time(a.budget_s - sum(c.get("spent_s", 0) for c in climbs.values()),
